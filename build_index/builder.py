@@ -1,0 +1,318 @@
+"""The build-index job: four resumable passes over a corpus, then a manifest and a summary."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import multiprocessing as mp
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from teralm.build_index import features, prefix, tokenize, verify
+from teralm.build_index.layout import Layout
+from teralm.build_index.monitor import PassStats, measure
+from teralm.build_index.sources import resolve_source
+from teralm.index import format as fmt
+from teralm.index.catalog import Catalog
+from teralm.index.tokenizer import ByteTokenizer, load_tokenizer, parse_tokenizer_spec
+from tqdm import tqdm
+
+
+class BuildError(Exception):
+    """A build cannot go on; the message tells the user what to do."""
+
+
+@dataclass
+class BuildConfig:
+    source: str
+    out: Path
+    tokenizer: str = "bytes"
+    shard_tokens: int = 1 << 27
+    max_match: int = 32
+    workers: int = 1
+    force: bool = False
+    text_field: str = "text"
+    verify_samples: int = 16
+    progress: bool = True
+
+    def params(self, fingerprint: str) -> dict:
+        """What decides the index's content (workers and progress do not)."""
+        return {
+            "source": self.source,
+            "fingerprint": fingerprint,
+            "tokenizer": self.tokenizer,
+            "shard_tokens": self.shard_tokens,
+            "max_match": self.max_match,
+            "text_field": self.text_field,
+        }
+
+
+@dataclass
+class BuildResult:
+    manifest: dict
+    passes: list[PassStats] = field(default_factory=list)
+    resumed: bool = False
+
+
+def _index_files(out: Path) -> list[Path]:
+    names = {fmt.MANIFEST, fmt.TOKENIZER, fmt.DOCUMENT_OFFSETS, fmt.CATALOG}
+    return [
+        p
+        for p in out.iterdir()
+        if p.name in names or p.name.startswith("shard-") or ".tmp" in p.name
+    ]
+
+
+def _prepare_out(config: BuildConfig) -> None:
+    out = config.out
+    if out.exists() and not out.is_dir():
+        raise BuildError(f"--out {out} exists and is not a folder")
+    if not out.exists():
+        out.mkdir(parents=True)
+        return
+    entries = list(out.iterdir())
+    ours = _index_files(out)
+    if entries and not (out / fmt.CATALOG).exists():
+        raise BuildError(
+            f"--out {out} is not empty and holds no teralm index; choose another folder"
+        )
+    if config.force:
+        if len(ours) != len(entries):
+            raise BuildError(f"--out {out} holds files that are not part of an index; not deleting")
+        for p in ours:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def _check_params(catalog: Catalog, params: dict, out: Path) -> bool:
+    """Record the build parameters, or compare them with a previous run's. True when resuming."""
+    previous = catalog.get("meta/params")
+    if previous is None:
+        catalog.put({"meta/params": params})
+        return False
+    if previous != params:
+        changed = ", ".join(
+            f"{k} {previous.get(k)!r} -> {v!r}" for k, v in params.items() if previous.get(k) != v
+        )
+        raise BuildError(
+            f"{out} holds a different index ({changed}); use --force to replace it, "
+            "or another --out"
+        )
+    return True
+
+
+def _worker_init() -> None:
+    """Pool workers die with the build (Linux), and leave Ctrl-C to the parent."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _run_units(fn: Callable, args: Iterable[tuple], workers: int, on_done: Callable) -> None:
+    """Run ``fn(*a)`` for each ``a`` in-process or on a pool, calling ``on_done(result)`` in order of
+    completion (in the parent, which alone writes the catalog)."""
+    args = list(args)
+    if workers <= 1 or len(args) <= 1:
+        for a in args:
+            on_done(fn(*a))
+        return
+    with mp.get_context("spawn").Pool(min(workers, len(args)), initializer=_worker_init) as pool:
+        for result in pool.imap_unordered(_star, [(fn, a) for a in args]):
+            on_done(result)
+
+
+def _star(job):
+    fn, a = job
+    return fn(*a)
+
+
+def build(config: BuildConfig) -> BuildResult:
+    """Build (or resume, or confirm) the index described by ``config``."""
+    kind, vocab = parse_tokenizer_spec(config.tokenizer)
+    if not 1 <= config.max_match <= fmt.MAX_MATCH_LIMIT:
+        raise BuildError(f"--max-match must be 1..{fmt.MAX_MATCH_LIMIT}")
+    if config.shard_tokens < 1 or config.shard_tokens > 2**32 - 1:
+        raise BuildError("--shard-tokens must be 1..4294967295 (positions are uint32 in a shard)")
+    source = resolve_source(config.source, config.text_field)
+    _prepare_out(config)
+    out = config.out
+    catalog = Catalog(out / fmt.CATALOG)
+    try:
+        resumed = _check_params(catalog, config.params(source.fingerprint()), out)
+        if (out / fmt.MANIFEST).exists():
+            return BuildResult(fmt.read_manifest(out), [], resumed=True)
+        return _build_passes(config, source, kind, vocab, catalog, resumed)
+    finally:
+        catalog.close()
+
+
+def _build_passes(config, source, kind, vocab, catalog, resumed) -> BuildResult:
+    out, progress = config.out, config.progress
+    stats = [PassStats(n) for n in ("tokenize", "sort", "features", "finalize")]
+
+    with measure(stats[0]):
+        if catalog.get("p1/done") is None:
+            if kind == "bytes":
+                tokenizer = ByteTokenizer()
+            elif (out / fmt.TOKENIZER).exists():
+                tokenizer = load_tokenizer(out, kind)
+            else:
+                tokenizer = tokenize.train_bpe(source, vocab, out)
+            tokenize.tokenize_pass(source, tokenizer, catalog, out, config.shard_tokens, progress)
+            summary = tokenize.finish_tokenize(catalog, out, tokenizer)
+            summary.update(vocab_size=tokenizer.vocab_size, token_dtype=tokenizer.dtype.str)
+            catalog.put({"p1/done": summary})
+        else:
+            stats[0].skipped = True
+    p1 = catalog.get("p1/done")
+    layout = Layout(
+        str(out),
+        config.shard_tokens,
+        tuple(p1["sizes"]),
+        p1["token_dtype"],
+        p1["vocab_size"],
+        p1["separator"],
+        config.max_match,
+    )
+
+    with measure(stats[1]):
+        todo = [
+            (layout, k)
+            for k in range(layout.num_shards)
+            if catalog.get(f"p2/shard/{k:05d}") is None
+        ]
+        stats[1].skipped = not todo
+        with tqdm(
+            total=layout.num_shards,
+            initial=layout.num_shards - len(todo),
+            unit="shard",
+            desc="pass 2/4 sort",
+            disable=not progress,
+        ) as bar:
+
+            def sorted_done(result):
+                k, seconds = result
+                catalog.put({f"p2/shard/{k:05d}": {"seconds": seconds}})
+                bar.update()
+
+            _run_units(prefix.sort_one_shard, todo, config.workers, sorted_done)
+
+    with measure(stats[2]):
+        stats[2].skipped = catalog.get("p3/done") is not None
+        if not stats[2].skipped:
+            _features_pass(layout, catalog, config)
+
+    with measure(stats[3]):
+        manifest = _finalize(layout, catalog, config, source.fingerprint(), stats)
+    return BuildResult(manifest, stats, resumed)
+
+
+def _features_pass(layout: Layout, catalog: Catalog, config: BuildConfig) -> None:
+    features.create_match_files(layout)
+    plan = features.make_plan(layout)
+    jobs = catalog.get("p3/jobs")
+    if jobs is None:
+        target = min(max(layout.num_tokens // (4 * max(config.workers, 1)), 1 << 16), 1 << 23)
+        jobs = features.split_jobs(plan, target)
+        catalog.put({"p3/jobs": jobs})
+    todo = [
+        (layout, plan, tuple(b))
+        for i, b in enumerate(jobs)
+        if catalog.get(f"p3/job/{i:05d}") is None
+    ]
+    index_of = {tuple(b): i for i, b in enumerate(jobs)}
+    done_tokens = layout.num_tokens - sum(
+        int(plan.cumulative[:, b1].sum() - plan.cumulative[:, b0].sum()) for _, _, (b0, b1) in todo
+    )
+    with tqdm(
+        total=layout.num_tokens,
+        initial=done_tokens,
+        unit="tok",
+        unit_scale=True,
+        desc="pass 3/4 features",
+        disable=not config.progress,
+    ) as bar:
+
+        def job_done(result):
+            buckets, rows = result
+            catalog.put({f"p3/job/{index_of[buckets]:05d}": {"positions": rows}})
+            bar.update(rows)
+
+        _run_units(_job_with_key, todo, config.workers, job_done)
+    catalog.put({"p3/done": {"jobs": len(jobs)}})
+
+
+def _job_with_key(layout, plan, buckets):
+    return buckets, features.features_job(layout, plan, buckets)
+
+
+def _finalize(
+    layout: Layout, catalog: Catalog, config: BuildConfig, fingerprint: str, stats: list[PassStats]
+) -> dict:
+    """Checksums, verification on a sample, then the manifest (written last, atomically)."""
+    out = config.out
+    checksums = verify.shard_checksums(layout, config.progress)
+    problems = verify.verify(layout, config.verify_samples)
+    if problems:
+        raise BuildError("verification failed: " + "; ".join(problems[:3]))
+    p1 = catalog.get("p1/done")
+    n = layout.num_tokens
+    kinds = {kind: sum(c[kind]["bytes"] for c in checksums) for kind in fmt.FILE_KINDS}
+    bytes_per_token = {kind: size / n for kind, size in kinds.items()}
+    bytes_per_token["total"] = sum(kinds.values()) / n
+    manifest = {
+        "format": fmt.FORMAT_NAME,
+        "version": fmt.FORMAT_VERSION,
+        "tokenizer": parse_tokenizer_spec(config.tokenizer)[0],
+        "vocab_size": layout.vocab_size,
+        "token_dtype": layout.token_dtype,
+        "max_match": layout.max_match,
+        "separator": layout.separator,
+        "context_overlap": layout.overlap,
+        "num_tokens": n,
+        "num_documents": p1["num_documents"],
+        "shard_tokens": layout.shard_tokens,
+        "shards": [
+            {"num_tokens": size, "files": checksums[k]} for k, size in enumerate(layout.sizes)
+        ],
+        "build": {
+            **config.params(fingerprint),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        },
+        "passes": {
+            s.name: {"wall_s": round(s.wall_s, 3), "peak_rss": s.peak_rss}
+            for s in stats[:3]
+            if not s.skipped
+        },
+        "bytes_per_token": bytes_per_token,
+    }
+    if manifest["tokenizer"] == "bpe":
+        manifest["tokenizer_sha256"] = verify.sha256_file(out / fmt.TOKENIZER)
+    fmt.write_atomic(out / fmt.MANIFEST, json.dumps(manifest, indent=1).encode())
+    return manifest
+
+
+def format_summary(result: BuildResult, out: Path, wall_s: float) -> str:
+    """One screen: what was built, bytes per token, and what each pass cost."""
+    m = result.manifest
+    bpt = m["bytes_per_token"]
+    lines = [
+        f"index      {m['build']['source']} -> {out}",
+        f"tokens     {m['num_tokens']:,} ({m['tokenizer']}, vocab {m['vocab_size']})",
+        f"documents  {m['num_documents']:,}",
+        f"shards     {len(m['shards'])} of up to {m['shard_tokens']:,} tokens",
+        "bytes/tok  " + "  ".join(f"{k} {v:.2f}" for k, v in bpt.items()),
+    ]
+    if result.passes:
+        lines.append(f"{'pass':<10} {'wall s':>8} {'peak RSS':>10}")
+        for s in result.passes:
+            cost = "done earlier" if s.skipped else f"{s.wall_s:8.1f} {s.peak_rss / 2**30:8.2f} GiB"
+            lines.append(f"{s.name:<10} {cost}")
+        lines.append(f"{'total':<10} {wall_s:8.1f}  ({m['num_tokens'] / wall_s / 1e6:.2f} M tok/s)")
+    else:
+        lines.append("already complete: nothing to do")
+    return "\n".join(lines)

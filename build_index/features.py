@@ -1,0 +1,164 @@
+"""Pass 3: causal longest-match features of every token against all earlier tokens of the corpus.
+
+The work is split by key bucket (leading 16 bits of the reversed context): a job takes a range of
+buckets, pulls that range out of every shard's sorted positions, merges them (S-way, O(log S) per
+entry), and sweeps the merged order forwards and backwards (see teralm.kernels.match). Jobs write
+disjoint positions of the ``.match`` files, so they run in any order and in parallel; a job that
+was cut short is simply run again.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from teralm.build_index.layout import Layout
+from teralm.index import format as fmt
+from teralm.index.reader import open_match
+from teralm.kernels import match as km
+
+BUCKETS = 1 << 16
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Per token value: first position, first position with a follower, that follower."""
+
+    first: np.ndarray
+    first_f: np.ndarray
+    first_tok: np.ndarray
+    cumulative: np.ndarray  # [shard, bucket + 1]: start of each bucket in the shard's .prefix
+
+
+@lru_cache(maxsize=2)
+def _doc_bits(layout: Layout) -> np.ndarray:
+    return km.doc_start_bits(layout.offsets(), layout.num_tokens)
+
+
+def _neighbours(layout: Layout, stream, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Up to ``max_match`` tokens before shard ``k`` and the one token after it."""
+    start, stop = layout.shard_start(k), layout.shard_start(k) + layout.sizes[k]
+    tail = stream[max(0, start - layout.max_match) : start]
+    nxt = stream[stop : stop + 1]
+    return tail, nxt if len(nxt) else np.zeros(1, stream.dtype)
+
+
+def make_plan(layout: Layout) -> Plan:
+    """One sequential scan of the corpus: bucket histograms and first-occurrence tables."""
+    bits = _doc_bits(layout)
+    stream = layout.stream()
+    vocab = max(layout.vocab_size, 256)
+    first = np.full(vocab, km.INF, dtype=np.int64)
+    first_f = np.full(vocab, km.INF, dtype=np.int64)
+    first_tok = np.zeros(vocab, dtype=np.int64)
+    cumulative = np.zeros((layout.num_shards, BUCKETS + 1), dtype=np.int64)
+    for k in range(layout.num_shards):
+        tokens = stream.shard(k)
+        tail, nxt = _neighbours(layout, stream, k)
+        hist = np.zeros(BUCKETS, dtype=np.int64)
+        km.bucket_histogram(
+            tokens, tail, layout.shard_start(k), bits, layout.separator, layout.elem_bits, hist
+        )
+        np.cumsum(hist, out=cumulative[k, 1:])
+        km.first_occurrences(
+            tokens, nxt, layout.shard_start(k), bits, layout.num_tokens, first, first_f, first_tok
+        )
+    return Plan(first, first_f, first_tok, cumulative)
+
+
+def split_jobs(plan: Plan, target: int) -> list[tuple[int, int]]:
+    """Consecutive bucket ranges of about ``target`` positions each (a bucket is never split)."""
+    per_bucket = np.diff(plan.cumulative.sum(axis=0))
+    jobs, begin, acc = [], 0, 0
+    for b in np.flatnonzero(per_bucket):
+        acc += int(per_bucket[b])
+        if acc >= target:
+            jobs.append((begin, int(b) + 1))
+            begin, acc = int(b) + 1, 0
+    if acc:
+        jobs.append((begin, BUCKETS))
+    return jobs
+
+
+def features_job(layout: Layout, plan: Plan, buckets: tuple[int, int]) -> int:
+    """Compute and write the features of every position whose key lies in ``buckets``.
+
+    Returns the number of positions written.
+    """
+    b0, b1 = buckets
+    bits = _doc_bits(layout)
+    stream = layout.stream()
+    cap, elem_bits = layout.max_match, layout.elem_bits
+    ranges = [
+        (int(plan.cumulative[k, b0]), int(plan.cumulative[k, b1])) for k in range(layout.num_shards)
+    ]
+    run_starts = np.cumsum([0] + [hi - lo for lo, hi in ranges]).astype(np.int64)
+    rows = int(run_starts[-1])
+    keys = np.empty((rows, km.key_words(cap, elem_bits)), dtype=np.uint64)
+    depth = np.empty(rows, dtype=np.uint8)
+    follower = np.empty(rows, dtype=np.int32)
+    pos = np.empty(rows, dtype=np.int64)
+    locals_ = []
+    for k, (lo, hi) in enumerate(ranges):
+        prefix = np.memmap(layout.path(k, "prefix"), dtype=fmt.PREFIX_DTYPE, mode="r")
+        local = np.array(prefix[lo:hi])
+        locals_.append(local)
+        r = slice(run_starts[k], run_starts[k + 1])
+        tail, nxt = _neighbours(layout, stream, k)
+        km.gather_keys(
+            stream.shard(k),
+            tail,
+            nxt,
+            layout.shard_start(k),
+            local,
+            bits,
+            layout.num_tokens,
+            cap,
+            layout.separator,
+            elem_bits,
+            keys[r],
+            depth[r],
+            follower[r],
+        )
+        pos[r] = local.astype(np.int64) + layout.shard_start(k)
+    order = km.merge_sorted(keys, run_starts)
+    lcp = km.adjacent_lcp(keys, depth, order, elem_bits)
+    length, next_pos, next_tok = km.sweep_features(pos, follower, lcp, order, cap)
+    del keys, lcp, order
+
+    # One-token matches may lie in another bucket: take them from the first-occurrence table.
+    token = np.concatenate([stream.shard(k)[loc] for k, loc in enumerate(locals_)]).astype(np.int64)
+    short = length <= 1
+    length[short] = plan.first[token[short]] < pos[short]
+    has_next = np.where(short, plan.first_f[token] < pos, next_pos < km.INF) & (length > 0)
+    next_tok = np.where(short, plan.first_tok[token], next_tok)
+    len_byte = (length | np.where(has_next, 0, fmt.NO_FOLLOWER_BIT)).astype(np.uint8)
+    next_tok = np.where(has_next, next_tok, 0)
+
+    for k, local in enumerate(locals_):
+        if len(local) == 0:
+            continue
+        r = slice(run_starts[k], run_starts[k + 1])
+        out_len, out_next = open_match(
+            layout.directory, k, layout.sizes[k], layout.token_dtype, "r+"
+        )
+        out_len[local] = len_byte[r]
+        out_next[local] = next_tok[r]
+        out_len.flush()
+        out_next.flush()
+    return rows
+
+
+def create_match_files(layout: Layout) -> None:
+    """Allocate (sparse, zero) ``.match`` files that do not exist yet, atomically."""
+    width = 1 + np.dtype(layout.token_dtype).itemsize
+    for k, n in enumerate(layout.sizes):
+        path = layout.path(k, "match")
+        if path.exists() and path.stat().st_size == n * width:
+            continue
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        with open(tmp, "wb") as f:
+            f.truncate(n * width)
+        os.replace(tmp, path)

@@ -1,0 +1,248 @@
+"""Corpus sources for build-index: enwik8/9, the Python stdlib, text files, folders, JSONL, Parquet
+and Hugging Face datasets. Each yields documents in a fixed order, as (label, text) pairs."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import re
+import sysconfig
+import urllib.error
+import urllib.request
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+class SourceError(Exception):
+    """A problem with the corpus source that the user can fix; the message says how."""
+
+
+ENWIK_URL = "http://mattmahoney.net/dc/{name}.zip"
+ENWIK_SIZES = {"enwik8": 100_000_000, "enwik9": 1_000_000_000}
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".html", ".xml", ".json", ".csv", ".tex", ".c", ".h"}
+
+Document = tuple[str, "str | bytes"]
+
+
+def cache_dir() -> Path:
+    """Where downloads are kept: $TERALM_CACHE, else ~/.cache/teralm."""
+    return Path(os.environ.get("TERALM_CACHE", Path.home() / ".cache" / "teralm"))
+
+
+@dataclass
+class Source:
+    """A resolved corpus: how to describe it, fingerprint it and read its documents."""
+
+    name: str
+    kind: str
+    path: Path | None = None
+    text_field: str = "text"
+
+    def fingerprint(self) -> str:
+        """Identity of the source's content, to refuse resuming a build over a changed corpus."""
+        if self.path is None:
+            return f"{self.kind}:{self.name}"
+        files = sorted(self._files()) if self.path.is_dir() else [self.path]
+        digest = hashlib.sha256()
+        for f in files:
+            st = f.stat()
+            digest.update(f"{f}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+        return f"{self.kind}:{self.path}:{digest.hexdigest()[:16]}"
+
+    def total_bytes(self) -> int | None:
+        """Bytes to read (for the progress bar), when known."""
+        if self.path is None:
+            return None
+        if self.path.is_dir():
+            return sum(f.stat().st_size for f in self._files())
+        return self.path.stat().st_size
+
+    def documents(self) -> Iterator[tuple[Document, int]]:
+        """Yield ((label, text), bytes_read_so_far) in a fixed order."""
+        reader = {
+            "enwik": self._enwik_pages,
+            "folder": self._folder,
+            "text": self._text_file,
+            "jsonl": self._jsonl,
+            "parquet": self._parquet,
+            "hf": self._hf_dataset,
+        }[self.kind]
+        return reader()
+
+    def _files(self) -> list[Path]:
+        suffixes = {".py"} if self.kind == "folder" and self.name == "stdlib" else TEXT_SUFFIXES
+        skip = {"site-packages", "__pycache__"}
+        found = []
+        for root, dirs, files in os.walk(self.path):
+            dirs[:] = sorted(d for d in dirs if d not in skip and not d.startswith("."))
+            found += [Path(root) / f for f in sorted(files) if Path(f).suffix in suffixes]
+        return found
+
+    def _folder(self):
+        done = 0
+        for f in self._files():
+            data = _read_file(f)
+            done += len(data)
+            yield (str(f.relative_to(self.path)), data), done
+
+    def _text_file(self):
+        data = _read_file(self.path)
+        yield (self.path.name, data), len(data)
+
+    def _enwik_pages(self):
+        """Split the Wikipedia XML dump into its <page> elements (the header is one document)."""
+        data = _read_file(self.path)
+        starts = [m.start() for m in re.finditer(rb"  <page>", data)]
+        bounds = [0, *starts, len(data)] if starts and starts[0] > 0 else [*starts, len(data)]
+        for a, b in zip(bounds, bounds[1:]):
+            page = data[a:b]
+            title = re.search(rb"<title>(.*?)</title>", page[:4096])
+            label = title.group(1).decode("utf-8", "replace") if title else f"{self.name}@{a}"
+            yield (label, page), b
+
+    def _jsonl(self):
+        with open(self.path, "rb") as raw:
+            f = gzip.GzipFile(fileobj=raw) if self.path.suffix == ".gz" else raw
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise SourceError(f"{self.path}:{lineno}: invalid JSON ({e.msg})") from None
+                yield self._record(record, f"{self.path.name}:{lineno}"), raw.tell()
+
+    def _record(self, record, fallback: str) -> Document:
+        if not isinstance(record, dict) or self.text_field not in record:
+            raise SourceError(
+                f"{fallback}: no '{self.text_field}' field; choose the field with --text-field"
+            )
+        text = record[self.text_field]
+        if not isinstance(text, str):
+            raise SourceError(f"{fallback}: field '{self.text_field}' is not a string")
+        label = next(
+            (str(record[k]) for k in ("title", "path", "url", "id") if k in record), fallback
+        )
+        return label, text
+
+    def _parquet(self):
+        import pyarrow.parquet as pq
+
+        table = pq.ParquetFile(self.path)
+        if self.text_field not in table.schema_arrow.names:
+            raise SourceError(
+                f"{self.path}: no column '{self.text_field}'; choose one with --text-field "
+                f"(columns: {', '.join(table.schema_arrow.names)})"
+            )
+        row = 0
+        for batch in table.iter_batches(batch_size=1024):
+            for record in batch.to_pylist():
+                row += 1
+                yield self._record(record, f"{self.path.name}:{row}"), 0
+
+    def _hf_dataset(self):
+        import datasets
+
+        name, _, split = self.name.partition(":")
+        try:
+            dataset = datasets.load_dataset(name, split=split or "train", streaming=True)
+        except Exception as e:  # datasets raises many types for "not found / offline"
+            raise SourceError(
+                f"'{self.name}' is not a file or folder, and loading it as a Hugging Face "
+                f"dataset failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            ) from None
+        for row, record in enumerate(dataset, 1):
+            yield self._record(record, f"{name}:{row}"), 0
+
+
+def _read_file(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise SourceError(f"cannot read {path}: {e.strerror}") from None
+
+
+def resolve_source(spec: str, text_field: str = "text", download: bool = True) -> Source:
+    """Turn the SOURCE argument into a Source, downloading enwik8/9 when needed."""
+    if spec in ENWIK_SIZES:
+        return Source(spec, "enwik", fetch_enwik(spec, download))
+    if spec == "stdlib":
+        return Source(spec, "folder", Path(sysconfig.get_paths()["stdlib"]))
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return Source(spec, "folder", path.resolve(), text_field)
+    if path.is_file():
+        if not os.access(path, os.R_OK):
+            raise SourceError(f"cannot read {path}: permission denied")
+        suffixes = "".join(path.suffixes[-2:])
+        if suffixes.endswith((".jsonl", ".jsonl.gz", ".json")):
+            kind = "jsonl"
+        elif path.suffix == ".parquet":
+            kind = "parquet"
+        else:
+            kind = "text"
+        return Source(spec, kind, path.resolve(), text_field)
+    if path.exists():
+        raise SourceError(f"{spec} is not a regular file or folder")
+    if spec.startswith((".", "/", "~")) or path.suffix:
+        raise SourceError(f"{spec}: no such file or folder")
+    return Source(spec, "hf", None, text_field)
+
+
+def fetch_enwik(name: str, download: bool = True) -> Path:
+    """Path of enwik8/enwik9: a local file of that name, the cache, or a fresh download."""
+    expected = ENWIK_SIZES[name]
+    for candidate in (Path(name), cache_dir() / name):
+        if candidate.is_file():
+            if candidate.stat().st_size != expected:
+                raise SourceError(
+                    f"{candidate} has {candidate.stat().st_size:,} bytes, {name} has "
+                    f"{expected:,}; delete it and run again to download it"
+                )
+            return candidate
+    target = cache_dir() / name
+    url = ENWIK_URL.format(name=name)
+    if not download:
+        raise SourceError(f"{name} not found; download {url}, unzip it and put {name} at {target}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    archive = target.with_suffix(".zip.part")
+    try:
+        _download(url, archive)
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", None) or e
+        raise SourceError(
+            f"cannot download {url} ({reason}); download it by hand, unzip it and put "
+            f"{name} at {target} (or in the current folder), then run again"
+        ) from None
+    with zipfile.ZipFile(archive) as z, z.open(name) as member:
+        tmp = target.with_suffix(".part")
+        with open(tmp, "wb") as out:
+            while chunk := member.read(1 << 24):
+                out.write(chunk)
+    if tmp.stat().st_size != expected:
+        raise SourceError(f"{url} unpacked to {tmp.stat().st_size:,} bytes, expected {expected:,}")
+    os.replace(tmp, target)
+    archive.unlink()
+    return target
+
+
+def _download(url: str, dest: Path) -> None:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        total = int(response.headers.get("Content-Length") or 0) or None
+        with (
+            open(dest, "wb") as out,
+            tqdm(
+                total=total, unit="B", unit_scale=True, desc=f"download {url.rsplit('/', 1)[-1]}"
+            ) as bar,
+        ):
+            while chunk := response.read(1 << 20):
+                out.write(chunk)
+                bar.update(len(chunk))
+    if total is not None and dest.stat().st_size != total:
+        raise OSError(f"download ended early ({dest.stat().st_size:,} of {total:,} bytes)")

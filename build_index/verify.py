@@ -1,0 +1,110 @@
+"""Checks of a built index: checksums, sortedness of a sample, features against brute force."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+from teralm.build_index.layout import Layout
+from teralm.index import format as fmt
+from teralm.index.reader import decode_features, open_match
+from teralm.kernels import match as km
+from tqdm import tqdm
+
+CHUNK = 1 << 24
+COMPARE_LIMIT = 4096
+
+
+def sha256_file(path: Path, bar=None) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+            if bar is not None:
+                bar.update(len(chunk))
+    return digest.hexdigest()
+
+
+def shard_checksums(layout: Layout, progress: bool) -> list[dict]:
+    """``{kind: {"bytes", "sha256"}}`` for every shard file."""
+    paths = [[layout.path(k, kind) for kind in fmt.FILE_KINDS] for k in range(layout.num_shards)]
+    total = sum(p.stat().st_size for row in paths for p in row)
+    with tqdm(
+        total=total, unit="B", unit_scale=True, desc="checksums", disable=not progress
+    ) as bar:
+        return [
+            {p.suffix[1:]: {"bytes": p.stat().st_size, "sha256": sha256_file(p, bar)} for p in row}
+            for row in paths
+        ]
+
+
+def check_checksums(layout: Layout, shards: list[dict], progress: bool) -> list[str]:
+    """Problems found comparing files with the manifest's checksums."""
+    problems = []
+    for k, (recorded, actual) in enumerate(zip(shards, shard_checksums(layout, progress))):
+        for kind in fmt.FILE_KINDS:
+            if recorded["files"][kind] != actual[kind]:
+                problems.append(
+                    f"{layout.path(k, kind).name}: size or checksum differs from the manifest"
+                )
+    return problems
+
+
+def _context(stream, layout: Layout, offsets: np.ndarray, p: int) -> list[int]:
+    """Reversed context of ``p`` as sorted in its shard: back to its bound, then the separator."""
+    k = p // layout.shard_tokens
+    doc_start = int(offsets[np.searchsorted(offsets, p, side="right") - 1])
+    bound = max(doc_start, layout.shard_start(k) - layout.overlap)
+    lo = max(bound, p - COMPARE_LIMIT + 1)
+    key = stream[lo : p + 1][::-1].tolist()
+    return key + [layout.separator] if lo == bound else key
+
+
+def check_sorted(layout: Layout, samples: int, rng: np.random.Generator) -> list[str]:
+    """Sample adjacent pairs of every ``.prefix`` and check their contexts are in order."""
+    stream, offsets, problems = layout.stream(), layout.offsets(), []
+    for k in range(layout.num_shards):
+        prefix = np.memmap(layout.path(k, "prefix"), dtype=fmt.PREFIX_DTYPE, mode="r")
+        if len(prefix) < 2:
+            continue
+        for i in rng.integers(0, len(prefix) - 1, size=samples):
+            a, b = (layout.shard_start(k) + int(x) for x in prefix[i : i + 2])
+            ka, kb = _context(stream, layout, offsets, a), _context(stream, layout, offsets, b)
+            n = min(len(ka), len(kb))
+            if ka[:n] > kb[:n]:
+                problems.append(f"shard {k}: positions {a} and {b} are out of order at rank {i}")
+    return problems
+
+
+def check_features(layout: Layout, samples: int, rng: np.random.Generator) -> list[str]:
+    """Compare stored features of random positions with an O(t) brute force."""
+    n = layout.num_tokens
+    positions = np.unique(rng.integers(0, n, size=samples))
+    stream = layout.stream()
+    x = stream[0 : min(n, int(positions.max()) + 2)]
+    bits = km.doc_start_bits(layout.offsets(), n)
+    valid = np.zeros(max(layout.vocab_size, 256), dtype=np.bool_)
+    problems = []
+    for t in positions:
+        k, q = divmod(int(t), layout.shard_tokens)
+        raw_len, raw_next = open_match(
+            layout.directory, k, layout.sizes[k], layout.token_dtype, "r"
+        )
+        stored = decode_features(raw_len[q : q + 1], raw_next[q : q + 1], layout.vocab_size)
+        length, nxt = int(stored.match_len[0]), int(stored.next_token[0])
+        valid[:] = False
+        expected = km.brute_force_at(x, bits, int(t), layout.max_match, valid)
+        if length != expected:
+            problems.append(f"position {t}: match length {length}, brute force says {expected}")
+        elif nxt == layout.vocab_size and valid.any():
+            problems.append(f"position {t}: no next token stored, but one exists")
+        elif nxt != layout.vocab_size and not valid[nxt]:
+            problems.append(f"position {t}: next token {nxt} never follows a longest match")
+    return problems
+
+
+def verify(layout: Layout, samples: int, seed: int = 0) -> list[str]:
+    """Sortedness and feature checks on ``samples`` random positions (per shard for sorting)."""
+    rng = np.random.default_rng(seed)
+    return check_sorted(layout, samples, rng) + check_features(layout, samples, rng)

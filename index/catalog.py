@@ -1,0 +1,60 @@
+"""The LMDB catalog of an index: documents and the build's progress records."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import lmdb
+
+MAP_SIZE = 1 << 40  # address space only; the file grows with its content
+
+
+def doc_key(doc_id: int) -> bytes:
+    return b"doc/" + doc_id.to_bytes(8, "big")
+
+
+class Catalog:
+    """Key -> JSON records in one LMDB environment. Writes are transactions (all or nothing)."""
+
+    def __init__(self, path: Path, readonly: bool = False):
+        self.path = Path(path)
+        self.env = lmdb.open(
+            str(self.path),
+            map_size=MAP_SIZE,
+            readonly=readonly,
+            lock=not readonly,
+            subdir=True,
+            max_dbs=0,
+        )
+
+    def close(self) -> None:
+        self.env.close()
+
+    def get(self, key: str | bytes):
+        with self.env.begin() as txn:
+            raw = txn.get(key.encode() if isinstance(key, str) else key)
+        return None if raw is None else json.loads(raw)
+
+    def put(self, records: dict[str | bytes, object]) -> None:
+        """Write several records in one transaction."""
+        with self.env.begin(write=True) as txn:
+            for key, value in records.items():
+                txn.put(key.encode() if isinstance(key, str) else key, json.dumps(value).encode())
+
+    def prefixed(self, prefix: str | bytes) -> Iterator[tuple[bytes, object]]:
+        """All records whose key starts with ``prefix``, in key order."""
+        prefix = prefix.encode() if isinstance(prefix, str) else prefix
+        with self.env.begin() as txn:
+            cursor = txn.cursor()
+            if not cursor.set_range(prefix):
+                return
+            for key, raw in cursor:
+                if not key.startswith(prefix):
+                    break
+                yield key, json.loads(raw)
+
+    def document(self, doc_id: int) -> dict | None:
+        """``{"start", "length", "source"}`` of one document."""
+        return self.get(doc_key(doc_id))

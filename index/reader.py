@@ -1,0 +1,146 @@
+"""Memory-mapped access to an index directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+from teralm.index import format as fmt
+from teralm.index.catalog import Catalog
+from teralm.index.tokenizer import load_tokenizer
+
+
+class ShardedTokens:
+    """The global token stream over fixed-size shard files (the last one may be shorter)."""
+
+    def __init__(self, directory: Path, shard_tokens: int, sizes: list[int], dtype):
+        self.directory = Path(directory)
+        self.shard_tokens = shard_tokens
+        self.sizes = list(sizes)
+        self.dtype = np.dtype(dtype)
+        self.num_tokens = sum(self.sizes)
+        self._maps: dict[int, np.ndarray] = {}
+
+    def shard(self, k: int) -> np.ndarray:
+        """The tokens of shard ``k`` (read-only memmap, opened on first use)."""
+        if k not in self._maps:
+            path = fmt.shard_file(self.directory, k, "tokens")
+            self._maps[k] = (
+                np.memmap(path, dtype=self.dtype, mode="r", shape=(self.sizes[k],))
+                if self.sizes[k]
+                else np.empty(0, self.dtype)
+            )
+        return self._maps[k]
+
+    def spans(self, start: int, stop: int):
+        """``(shard, a, b)`` for each shard piece ``shard[a:b]`` of the global range."""
+        start, stop, _ = slice(start, stop).indices(self.num_tokens)
+        for k in range(start // self.shard_tokens, -(-stop // self.shard_tokens)):
+            base = k * self.shard_tokens
+            a, b = max(start - base, 0), min(stop - base, self.sizes[k])
+            if a < b:
+                yield k, a, b
+
+    def __getitem__(self, window: slice) -> np.ndarray:
+        parts = [self.shard(k)[a:b] for k, a, b in self.spans(window.start, window.stop)]
+        return np.concatenate([np.empty(0, self.dtype), *parts])
+
+
+class Features(NamedTuple):
+    """Causal match features of a range of positions.
+
+    ``match_len[i]``: length of the longest earlier match ending at the position (capped).
+    ``next_token[i]``: the token that followed that match, or ``Index.no_token`` when none did.
+    """
+
+    match_len: np.ndarray
+    next_token: np.ndarray
+
+
+class Index:
+    """A complete index directory, opened read-only with mmap (nothing is loaded whole)."""
+
+    def __init__(self, directory: Path, manifest: dict):
+        self.directory = Path(directory)
+        self.manifest = manifest
+        self.tokenizer = load_tokenizer(self.directory, manifest["tokenizer"])
+        self.vocab_size: int = manifest["vocab_size"]
+        self.max_match: int = manifest["max_match"]
+        self.num_tokens: int = manifest["num_tokens"]
+        self.num_documents: int = manifest["num_documents"]
+        self.no_token: int = self.vocab_size
+        sizes = [s["num_tokens"] for s in manifest["shards"]]
+        self.stream = ShardedTokens(
+            self.directory, manifest["shard_tokens"], sizes, manifest["token_dtype"]
+        )
+        self.offsets = np.memmap(
+            self.directory / fmt.DOCUMENT_OFFSETS, dtype=fmt.OFFSET_DTYPE, mode="r"
+        )
+        self._match: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._catalog: Catalog | None = None
+
+    @classmethod
+    def open(cls, directory: str | Path) -> Index:
+        """Open a complete index; ValueError with a user message if it is not one."""
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise ValueError(f"{directory}: no such index directory")
+        return cls(directory, fmt.read_manifest(directory))
+
+    def encode(self, text: str) -> np.ndarray:
+        return self.tokenizer.encode(text)
+
+    def decode(self, tokens) -> str:
+        return self.tokenizer.decode(tokens)
+
+    def document_range(self, i: int) -> tuple[int, int]:
+        """(start, stop) of document ``i`` in the global token stream."""
+        if not 0 <= i < self.num_documents:
+            raise IndexError(f"document {i} out of range 0..{self.num_documents - 1}")
+        return int(self.offsets[i]), int(self.offsets[i + 1])
+
+    def document_source(self, i: int) -> str:
+        """Source label of document ``i`` (path, title or record id) from the catalog."""
+        if self._catalog is None:
+            self._catalog = Catalog(self.directory / fmt.CATALOG, readonly=True)
+        record = self._catalog.document(i)
+        return record["source"] if record else ""
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """Tokens ``[start, stop)`` of the global stream."""
+        return self.stream[start:stop]
+
+    def features(self, start: int, stop: int) -> Features:
+        """Match features of positions ``[start, stop)``."""
+        lens, nexts = [np.empty(0, np.uint8)], [np.empty(0, self.stream.dtype)]
+        for k, a, b in self.stream.spans(start, stop):
+            length, nxt = self._match_arrays(k)
+            lens.append(length[a:b])
+            nexts.append(nxt[a:b])
+        return decode_features(np.concatenate(lens), np.concatenate(nexts), self.no_token)
+
+    def _match_arrays(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        if k not in self._match:
+            self._match[k] = open_match(
+                self.directory, k, self.stream.sizes[k], self.stream.dtype, "r"
+            )
+        return self._match[k]
+
+
+def open_match(directory: Path, k: int, n: int, dtype, mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """The two arrays of a ``.match`` file: length bytes, then next tokens."""
+    path = fmt.shard_file(directory, k, "match")
+    if n == 0:
+        return np.empty(0, np.uint8), np.empty(0, dtype)
+    length = np.memmap(path, dtype=fmt.MATCH_LEN_DTYPE, mode=mode, shape=(n,))
+    nxt = np.memmap(path, dtype=dtype, mode=mode, offset=n, shape=(n,))
+    return length, nxt
+
+
+def decode_features(raw_len: np.ndarray, raw_next: np.ndarray, no_token: int) -> Features:
+    """On-disk match bytes -> Features (lengths, next tokens with ``no_token`` for none)."""
+    missing = (raw_len & fmt.NO_FOLLOWER_BIT) != 0
+    match_len = (raw_len & ~np.uint8(fmt.NO_FOLLOWER_BIT)).astype(np.int32)
+    next_token = np.where(missing, no_token, raw_next.astype(np.int32)).astype(np.int32)
+    return Features(match_len, next_token)

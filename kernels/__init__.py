@@ -1,0 +1,1 @@
+"""Hot loops of teralm, each beside a plain reference implementation that tests compare it to."""

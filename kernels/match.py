@@ -1,0 +1,316 @@
+"""Pass 3 kernels: causal longest-match features read off the globally sorted context order.
+
+Every position ``t`` gets a key: its reversed context ``x[t], x[t-1], ...`` (at most ``cap``
+tokens, stopping at its document start), then the separator, packed big-endian into uint64 words
+so that comparing words compares keys. The shards' sorted position lists merge into one sorted
+stream; in it, the longest common suffix of two positions is the minimum of the adjacent key LCPs
+between them. A forward and a backward sweep keep, per match length ``l``, the smallest position
+seen since the adjacent LCP last fell below ``l``; the longest earlier match of ``t`` is the
+largest ``l`` whose smallest position is ``< t``. O(cap) state, streamed.
+
+Keys of the same leading 16 bits ("bucket") are contiguous in every shard, so buckets split the
+work into independent jobs. The one level that crosses buckets (a one-token match, when a
+token is 8 bits wide) comes from a table of first occurrences instead.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+INF = np.iinfo(np.int64).max
+
+
+def key_words(cap: int, elem_bits: int) -> int:
+    """Number of uint64 words that hold a key of ``cap`` elements of ``elem_bits`` bits."""
+    per_word = 64 // elem_bits
+    return (cap + per_word - 1) // per_word
+
+
+@njit(cache=True, inline="always")
+def _is_doc_start(bits, p):
+    return (bits[p >> 3] >> (p & 7)) & 1
+
+
+@njit(cache=True)
+def gather_keys(
+    tokens,
+    tail,
+    nxt,
+    shard_start,
+    local,
+    doc_bits,
+    n_total,
+    cap,
+    separator,
+    elem_bits,
+    keys,
+    depth,
+    follower,
+):
+    """Keys of the shard positions ``local`` (sorted order) into ``keys``.
+
+    ``tail`` holds the tokens just before the shard, ``nxt`` the first token after it (or none).
+    ``depth[i]`` is the number of real tokens in key ``i``; ``follower[i]`` the token after the
+    position in its document, or -1.
+    """
+    per_word = 64 // elem_bits
+    n = len(tokens)
+    for i in range(len(local)):
+        q = np.int64(local[i])
+        p = shard_start + q
+        for w in range(keys.shape[1]):
+            keys[i, w] = 0
+        d = 0
+        while d < cap:
+            j = q - d
+            tok = tokens[j] if j >= 0 else tail[len(tail) + j]
+            shift = (per_word - 1 - d % per_word) * elem_bits
+            keys[i, d // per_word] |= np.uint64(tok) << np.uint64(shift)
+            d += 1
+            if _is_doc_start(doc_bits, p - d + 1):
+                break
+        if d < cap:
+            shift = (per_word - 1 - d % per_word) * elem_bits
+            keys[i, d // per_word] |= np.uint64(separator) << np.uint64(shift)
+        depth[i] = d
+        follower[i] = -1
+        if p + 1 < n_total and not _is_doc_start(doc_bits, p + 1):
+            follower[i] = tokens[q + 1] if q + 1 < n else nxt[0]
+
+
+@njit(cache=True, inline="always")
+def _key_less(keys, a, b):
+    for w in range(keys.shape[1]):
+        if keys[a, w] != keys[b, w]:
+            return keys[a, w] < keys[b, w]
+    return a < b
+
+
+@njit(cache=True)
+def merge_sorted(keys, run_starts):
+    """Order of rows of ``keys`` merging the sorted runs ``run_starts[k]:run_starts[k+1]``.
+
+    A binary heap over the runs' heads: O(M log S) key comparisons.
+    """
+    runs = len(run_starts) - 1
+    heap = np.empty(runs, dtype=np.int64)
+    head = run_starts[:-1].copy()
+    size = 0
+    for k in range(runs):
+        if head[k] < run_starts[k + 1]:
+            heap[size] = k
+            size += 1
+    # heapify
+    for start in range(size // 2 - 1, -1, -1):
+        i = start
+        while True:
+            c = 2 * i + 1
+            if c >= size:
+                break
+            if c + 1 < size and _key_less(keys, head[heap[c + 1]], head[heap[c]]):
+                c += 1
+            if _key_less(keys, head[heap[c]], head[heap[i]]):
+                heap[i], heap[c] = heap[c], heap[i]
+                i = c
+            else:
+                break
+    order = np.empty(run_starts[-1] - run_starts[0], dtype=np.int64)
+    for m in range(len(order)):
+        k = heap[0]
+        order[m] = head[k]
+        head[k] += 1
+        if head[k] == run_starts[k + 1]:
+            size -= 1
+            heap[0] = heap[size]
+        i = 0
+        while True:
+            c = 2 * i + 1
+            if c >= size:
+                break
+            if c + 1 < size and _key_less(keys, head[heap[c + 1]], head[heap[c]]):
+                c += 1
+            if _key_less(keys, head[heap[c]], head[heap[i]]):
+                heap[i], heap[c] = heap[c], heap[i]
+                i = c
+            else:
+                break
+    return order
+
+
+@njit(cache=True)
+def adjacent_lcp(keys, depth, order, elem_bits):
+    """``lcp[m]`` = common real-token prefix of keys ``order[m-1]`` and ``order[m]`` (lcp[0] = 0)."""
+    per_word = 64 // elem_bits
+    mask = np.uint64((1 << elem_bits) - 1)
+    lcp = np.zeros(len(order), dtype=np.uint8)
+    for m in range(1, len(order)):
+        a = order[m - 1]
+        b = order[m]
+        common = 0
+        for w in range(keys.shape[1]):
+            x = keys[a, w] ^ keys[b, w]
+            if x == 0:
+                common += per_word
+                continue
+            for e in range(per_word):
+                shift = np.uint64((per_word - 1 - e) * elem_bits)
+                if (x >> shift) & mask:
+                    break
+                common += 1
+            break
+        lcp[m] = min(common, depth[a], depth[b])
+    return lcp
+
+
+@njit(cache=True)
+def _sweep(pos, follower, lcp, order, cap, backward, best_len, best_pos, best_tok):
+    """One direction of the sweep; combines into best_* (max length, then smallest follower pos)."""
+    low = np.full(cap + 1, INF, dtype=np.int64)
+    low_f = np.full(cap + 1, INF, dtype=np.int64)
+    low_tok = np.zeros(cap + 1, dtype=np.int64)
+    top = 0
+    m_count = len(order)
+    for step in range(m_count):
+        m = m_count - 1 - step if backward else step
+        i = order[m]
+        t = pos[i]
+        h = 0
+        if step > 0:
+            prev = order[m + 1] if backward else order[m - 1]
+            h = np.int64(lcp[m + 1] if backward else lcp[m])
+            for lev in range(h + 1, top + 1):
+                low[lev] = INF
+                low_f[lev] = INF
+            p = pos[prev]
+            has_f = follower[prev] >= 0
+            for lev in range(1, h + 1):
+                if p < low[lev]:
+                    low[lev] = p
+                if has_f and p < low_f[lev]:
+                    low_f[lev] = p
+                    low_tok[lev] = follower[prev]
+            top = h
+        length = 0
+        for lev in range(h, 0, -1):
+            if low[lev] < t:
+                length = lev
+                break
+        if length == 0 or length < best_len[i]:
+            continue
+        if length > best_len[i]:
+            best_len[i] = length
+            best_pos[i] = INF
+        if low_f[length] < t and low_f[length] < best_pos[i]:
+            best_pos[i] = low_f[length]
+            best_tok[i] = low_tok[length]
+
+
+@njit(cache=True)
+def sweep_features(pos, follower, lcp, order, cap):
+    """Longest earlier match length, and the follower token of its smallest such position.
+
+    Returns ``(length, next_pos, next_tok)`` indexed like ``pos``; ``next_pos`` is INF when no
+    position achieving the length has a follower.
+    """
+    n = len(pos)
+    best_len = np.zeros(n, dtype=np.int64)
+    best_pos = np.full(n, INF, dtype=np.int64)
+    best_tok = np.zeros(n, dtype=np.int64)
+    _sweep(pos, follower, lcp, order, cap, False, best_len, best_pos, best_tok)
+    _sweep(pos, follower, lcp, order, cap, True, best_len, best_pos, best_tok)
+    return best_len, best_pos, best_tok
+
+
+@njit(cache=True)
+def first_occurrences(tokens, nxt, start, doc_bits, n_total, first, first_f, first_tok):
+    """Update, per token value, its first position and first position with a follower.
+
+    Shards must be visited in order; ``nxt`` holds the first token of the next shard (if any).
+    """
+    n = len(tokens)
+    for q in range(n):
+        p = start + q
+        v = tokens[q]
+        if first[v] == INF:
+            first[v] = p
+        if first_f[v] == INF and p + 1 < n_total and not _is_doc_start(doc_bits, p + 1):
+            first_f[v] = p
+            first_tok[v] = tokens[q + 1] if q + 1 < n else nxt[0]
+
+
+@njit(cache=True)
+def brute_force_at(x, doc_bits, t, cap, valid):
+    """Reference match length at ``t`` by trying every ``s < t``; marks valid next tokens.
+
+    ``x`` is the global token stream (at least up to ``t + 1``). O(t * cap).
+    """
+    best = 0
+    for s in range(t):
+        length = 0
+        while length < cap and x[s - length] == x[t - length]:
+            length += 1
+            if _is_doc_start(doc_bits, s - length + 1) or _is_doc_start(doc_bits, t - length + 1):
+                break
+        if length == 0 or length < best:
+            continue
+        if length > best:
+            best = length
+            valid[:] = False
+        if s + 1 < len(x) and not _is_doc_start(doc_bits, s + 1):
+            valid[x[s + 1]] = True
+    return best
+
+
+@njit(cache=True)
+def bucket_histogram(tokens, tail, shard_start, doc_bits, separator, elem_bits, hist):
+    """Count the shard's positions by bucket (the leading 16 bits of their key)."""
+    for q in range(len(tokens)):
+        p = shard_start + q
+        if elem_bits == 16:
+            hist[tokens[q]] += 1
+        else:
+            if _is_doc_start(doc_bits, p):
+                second = separator
+            else:
+                second = tokens[q - 1] if q >= 1 else tail[len(tail) - 1]
+            hist[(np.int64(tokens[q]) << 8) | second] += 1
+    return hist
+
+
+def doc_start_bits(offsets: np.ndarray, n_total: int) -> np.ndarray:
+    """Bitmap (little-endian bit order) of the positions where a document starts."""
+    bits = np.zeros(n_total + 1, dtype=bool)
+    bits[np.asarray(offsets[:-1], dtype=np.int64)] = True
+    return np.packbits(bits, bitorder="little")
+
+
+def brute_force_features(tokens: np.ndarray, doc_ids: np.ndarray, cap: int):
+    """O(N^2) reference: per position, the match length and the set of valid next tokens.
+
+    Follows the feature contract literally; for tests and small corpora only.
+    """
+    n = len(tokens)
+    lengths = np.zeros(n, dtype=np.int64)
+    valid_next: list[set[int]] = []
+    for t in range(n):
+        best, nexts = 0, set()
+        for s in range(t):
+            length = 0
+            while (
+                length < cap
+                and s - length >= 0
+                and doc_ids[s - length] == doc_ids[s]
+                and doc_ids[t - length] == doc_ids[t]
+                and tokens[s - length] == tokens[t - length]
+            ):
+                length += 1
+            if length == 0 or length < best:
+                continue
+            if length > best:
+                best, nexts = length, set()
+            if s + 1 < n and doc_ids[s + 1] == doc_ids[s]:
+                nexts.add(int(tokens[s + 1]))
+        lengths[t] = best
+        valid_next.append(nexts)
+    return lengths, valid_next

@@ -1,0 +1,135 @@
+"""Command-line entry points: ``build-index`` and ``teralm <command>``."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _add_build_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "source",
+        help="enwik8 | enwik9 | stdlib | a text file, folder, .jsonl[.gz], "
+        ".parquet, or a Hugging Face dataset name[:split]",
+    )
+    p.add_argument("--out", type=Path, help="index folder (default: indexes/<source name>)")
+    p.add_argument("--tokenizer", default="bytes", help="bytes (default) or bpe:VOCAB")
+    p.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard")
+    p.add_argument("--max-match", type=int, default=32, help="cap on stored match length")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=min(os.cpu_count() or 1, 8),
+        help="processes for the sort and feature passes",
+    )
+    p.add_argument("--text-field", default="text", help="text field of JSONL/Parquet/HF records")
+    p.add_argument(
+        "--verify-samples",
+        type=int,
+        default=16,
+        help="positions checked against brute force at the end",
+    )
+    p.add_argument("--force", action="store_true", help="replace a different index in --out")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _default_out(source: str) -> Path:
+    name = Path(source.rstrip("/")).name.split(".")[0].replace(":", "-") or "index"
+    return Path("indexes") / name
+
+
+def _fail(prog: str, message: str) -> int:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 1
+
+
+def _run_build(args: argparse.Namespace, prog: str) -> int:
+    from teralm.build_index.builder import BuildConfig, BuildError, build, format_summary
+    from teralm.build_index.sources import SourceError
+
+    config = BuildConfig(
+        source=args.source,
+        out=args.out or _default_out(args.source),
+        tokenizer=args.tokenizer,
+        shard_tokens=args.shard_tokens,
+        max_match=args.max_match,
+        workers=args.workers,
+        force=args.force,
+        text_field=args.text_field,
+        verify_samples=args.verify_samples,
+        progress=not args.quiet,
+    )
+    began = time.perf_counter()
+    try:
+        result = build(config)
+    except (BuildError, SourceError, ValueError) as e:
+        return _fail(prog, str(e))
+    except KeyboardInterrupt:
+        return _fail(prog, "interrupted; run the same command again to resume")
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            return _fail(
+                prog,
+                f"disk full writing {e.filename or config.out}; free some space and "
+                "run the same command again to resume",
+            )
+        return _fail(prog, f"{e.strerror or e} ({e.filename or config.out})")
+    print(format_summary(result, config.out, time.perf_counter() - began))
+    return 0
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    from teralm.build_index.layout import Layout
+    from teralm.build_index.verify import check_checksums, verify
+    from teralm.index import format as fmt
+
+    try:
+        m = fmt.read_manifest(args.index)
+    except ValueError as e:
+        return _fail("teralm verify-index", str(e))
+    layout = Layout.from_manifest(args.index, m)
+    problems = [] if args.no_checksums else check_checksums(layout, m["shards"], not args.quiet)
+    problems += verify(layout, args.samples, args.seed)
+    for p in problems:
+        print(f"FAIL {p}")
+    checked = "sizes and checksums, " if not args.no_checksums else ""
+    print(
+        f"{args.index}: {checked}{args.samples} sorted pairs per shard and {args.samples} "
+        f"positions against brute force: {'OK' if not problems else f'{len(problems)} problems'}"
+    )
+    return 0 if not problems else 1
+
+
+def build_index_main(argv: list[str] | None = None) -> int:
+    """``build-index SOURCE [options]``."""
+    parser = argparse.ArgumentParser(
+        prog="build-index",
+        description="Build the sharded, resumable causal lookup index of a corpus.",
+    )
+    _add_build_args(parser)
+    return _run_build(parser.parse_args(argv), "build-index")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``teralm build-index | verify-index``."""
+    parser = argparse.ArgumentParser(prog="teralm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_build_args(sub.add_parser("build-index", help="build the index of a corpus"))
+    v = sub.add_parser("verify-index", help="check an index: checksums, order, features")
+    v.add_argument("index", type=Path)
+    v.add_argument("--samples", type=int, default=64)
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--no-checksums", action="store_true")
+    v.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    if args.command == "build-index":
+        return _run_build(args, "teralm build-index")
+    return _run_verify(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

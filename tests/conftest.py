@@ -1,0 +1,53 @@
+"""Shared fixtures: random corpora with planted repeats, and builds of them."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from teralm.build_index import BuildConfig, build
+from teralm.index import Index
+
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def random_documents(
+    rng: np.random.Generator, num_docs: int, alphabet: str = "abc", max_len: int = 60
+) -> list[str]:
+    """Small-alphabet documents, some with long substrings copied from earlier ones."""
+    docs: list[str] = []
+    for _ in range(num_docs):
+        n = int(rng.integers(1, max_len))
+        text = "".join(rng.choice(list(alphabet), size=n))
+        if docs and rng.random() < 0.6:
+            src = docs[int(rng.integers(len(docs)))]
+            a = int(rng.integers(len(src)))
+            piece = src[a : a + int(rng.integers(1, 45))]
+            cut = int(rng.integers(len(text) + 1))
+            text = text[:cut] + piece + text[cut:]
+        docs.append(text)
+    return docs
+
+
+def write_jsonl(path: Path, docs: list[str]) -> Path:
+    with open(path, "w") as f:
+        for i, text in enumerate(docs):
+            f.write(json.dumps({"id": i, "text": text}) + "\n")
+    return path
+
+
+def build_docs(tmp_path: Path, docs: list[str], **kwargs) -> Index:
+    source = write_jsonl(tmp_path / "corpus.jsonl", docs)
+    config = BuildConfig(source=str(source), out=tmp_path / "index", progress=False, **kwargs)
+    build(config)
+    return Index.open(tmp_path / "index")
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    return np.random.default_rng(abs(hash(request.node.name)) % 2**32)
