@@ -32,7 +32,7 @@ class BuildConfig:
     source: str
     out: Path
     tokenizer: str = "bytes"
-    shard_tokens: int = 1 << 27
+    shard_tokens: int = 1 << 25
     max_match: int = 32
     workers: int = 1
     force: bool = False

@@ -45,6 +45,14 @@ def _neighbours(layout: Layout, stream, k: int) -> tuple[np.ndarray, np.ndarray]
     return tail, nxt if len(nxt) else np.zeros(1, stream.dtype)
 
 
+def _words(tokens: np.ndarray, layout: Layout) -> np.ndarray:
+    """The shard's bytes as uint64 words, when one token is one key element (else empty)."""
+    if tokens.dtype.itemsize * 8 != layout.elem_bits or len(tokens) == 0:
+        return np.empty(0, np.uint64)
+    raw = tokens.view(np.uint8)
+    return raw[: len(raw) // 8 * 8].view("<u8")
+
+
 def make_plan(layout: Layout) -> Plan:
     """One sequential scan of the corpus: bucket histograms and first-occurrence tables."""
     bits = _doc_bits(layout)
@@ -109,6 +117,7 @@ def features_job(layout: Layout, plan: Plan, buckets: tuple[int, int]) -> int:
         tail, nxt = _neighbours(layout, stream, k)
         km.gather_keys(
             stream.shard(k),
+            _words(stream.shard(k), layout),
             tail,
             nxt,
             layout.shard_start(k),
@@ -125,17 +134,20 @@ def features_job(layout: Layout, plan: Plan, buckets: tuple[int, int]) -> int:
         pos[r] = local.astype(np.int64) + layout.shard_start(k)
     order = km.merge_sorted(keys, run_starts)
     lcp = km.adjacent_lcp(keys, depth, order, elem_bits)
-    length, next_pos, next_tok = km.sweep_features(pos, follower, lcp, order, cap)
-    del keys, lcp, order
+    token = (keys[order, 0] >> np.uint64(64 - elem_bits)).astype(np.int64)
+    del keys
+    pos, follower = pos[order], follower[order]
+    length, next_pos, next_tok = km.sweep_features(pos, follower, lcp, cap)
+    del lcp, follower
 
     # One-token matches may lie in another bucket: take them from the first-occurrence table.
-    token = np.concatenate([stream.shard(k)[loc] for k, loc in enumerate(locals_)]).astype(np.int64)
     short = length <= 1
     length[short] = plan.first[token[short]] < pos[short]
     has_next = np.where(short, plan.first_f[token] < pos, next_pos < km.INF) & (length > 0)
-    next_tok = np.where(short, plan.first_tok[token], next_tok)
-    len_byte = (length | np.where(has_next, 0, fmt.NO_FOLLOWER_BIT)).astype(np.uint8)
-    next_tok = np.where(has_next, next_tok, 0)
+    len_byte = np.empty(rows, dtype=np.uint8)
+    len_byte[order] = length | np.where(has_next, 0, fmt.NO_FOLLOWER_BIT)
+    next_row = np.empty(rows, dtype=np.int64)
+    next_row[order] = np.where(has_next, np.where(short, plan.first_tok[token], next_tok), 0)
 
     for k, local in enumerate(locals_):
         if len(local) == 0:
@@ -145,7 +157,7 @@ def features_job(layout: Layout, plan: Plan, buckets: tuple[int, int]) -> int:
             layout.directory, k, layout.sizes[k], layout.token_dtype, "r+"
         )
         out_len[local] = len_byte[r]
-        out_next[local] = next_tok[r]
+        out_next[local] = next_row[r]
         out_len.flush()
         out_next.flush()
     return rows

@@ -19,6 +19,7 @@ import numpy as np
 from numba import njit
 
 INF = np.iinfo(np.int64).max
+PREFETCH = 32
 
 
 def key_words(cap: int, elem_bits: int) -> int:
@@ -29,47 +30,86 @@ def key_words(cap: int, elem_bits: int) -> int:
 
 @njit(cache=True, inline="always")
 def _is_doc_start(bits, p):
-    return (bits[p >> 3] >> (p & 7)) & 1
+    return (bits[p >> 6] >> np.uint64(p & 63)) & np.uint64(1)
+
+
+@njit(cache=True, inline="always")
+def _doc_depth(bits, p, cap):
+    """Tokens from ``p`` back to its document start, inclusive, at most ``cap``."""
+    if cap <= 64 and p >= cap:
+        lo = p - cap + 2  # a start at p - cap + 1 still leaves a full key
+        i, r = lo >> 6, lo & 63
+        window = bits[i] >> np.uint64(r)
+        if r:
+            window |= bits[i + 1] << np.uint64(64 - r)
+        if cap - 1 < 64:
+            window &= (np.uint64(1) << np.uint64(cap - 1)) - np.uint64(1)
+        if window == 0:
+            return cap
+        top = cap - 2
+        while not (window >> np.uint64(top)) & np.uint64(1):
+            top -= 1
+        return p - (lo + top) + 1
+    d = 1
+    while d < cap and not _is_doc_start(bits, p - d + 1):
+        d += 1
+    return d
+
+
+@njit(cache=True, inline="always")
+def _load64(words, b):
+    """Little-endian uint64 at byte offset ``b`` of the buffer viewed as ``words``."""
+    i, r = b >> 3, b & 7
+    if r == 0:
+        return words[i]
+    return (words[i] >> np.uint64(8 * r)) | (words[i + 1] << np.uint64(64 - 8 * r))
 
 
 @njit(cache=True)
 def gather_keys(
-    tokens,
-    tail,
-    nxt,
-    shard_start,
-    local,
-    doc_bits,
-    n_total,
-    cap,
-    separator,
-    elem_bits,
-    keys,
-    depth,
-    follower,
+    tokens, words, tail, nxt, shard_start, local, doc_bits, n_total, cap, separator, elem_bits,
+    keys, depth, follower,
 ):
     """Keys of the shard positions ``local`` (sorted order) into ``keys``.
 
-    ``tail`` holds the tokens just before the shard, ``nxt`` the first token after it (or none).
-    ``depth[i]`` is the number of real tokens in key ``i``; ``follower[i]`` the token after the
-    position in its document, or -1.
+    ``words`` is the shard's bytes viewed as uint64 when tokens are ``elem_bits`` wide (then a
+    key word is one unaligned little-endian load), else empty. ``tail`` holds the tokens just
+    before the shard, ``nxt`` the first token after it. ``depth[i]`` is the number of real
+    tokens in key ``i``; ``follower[i]`` the token after the position in its document, or -1.
     """
     per_word = 64 // elem_bits
+    width = keys.shape[1]
+    itemsize = elem_bits // 8
+    span = width * per_word
+    limit = len(words) * 8
+    ones = ~np.uint64(0)
     n = len(tokens)
+    touched = 0
     for i in range(len(local)):
+        if i % PREFETCH == 0:
+            # touch the next rows' memory first: independent loads overlap their cache misses
+            for j in range(i, min(i + PREFETCH, len(local))):
+                qj = np.int64(local[j])
+                touched += tokens[qj] + tokens[max(qj - span, 0)] + doc_bits[(shard_start + qj) >> 6]
         q = np.int64(local[i])
         p = shard_start + q
-        for w in range(keys.shape[1]):
-            keys[i, w] = 0
-        d = 0
-        while d < cap:
-            j = q - d
-            tok = tokens[j] if j >= 0 else tail[len(tail) + j]
-            shift = (per_word - 1 - d % per_word) * elem_bits
-            keys[i, d // per_word] |= np.uint64(tok) << np.uint64(shift)
-            d += 1
-            if _is_doc_start(doc_bits, p - d + 1):
-                break
+        d = _doc_depth(doc_bits, p, cap)
+        if q >= span and (q + 1) * itemsize + 8 <= limit:
+            for w in range(width):
+                kept = min(max(d - w * per_word, 0), per_word)
+                word = _load64(words, (q - w * per_word - per_word + 1) * itemsize)
+                if kept == 0:
+                    word = np.uint64(0)
+                elif kept < per_word:
+                    word &= ones << np.uint64(64 - kept * elem_bits)
+                keys[i, w] = word
+        else:
+            for w in range(width):
+                keys[i, w] = 0
+            for j in range(d):
+                tok = tokens[q - j] if q - j >= 0 else tail[len(tail) + q - j]
+                shift = (per_word - 1 - j % per_word) * elem_bits
+                keys[i, j // per_word] |= np.uint64(tok) << np.uint64(shift)
         if d < cap:
             shift = (per_word - 1 - d % per_word) * elem_bits
             keys[i, d // per_word] |= np.uint64(separator) << np.uint64(shift)
@@ -77,6 +117,7 @@ def gather_keys(
         follower[i] = -1
         if p + 1 < n_total and not _is_doc_start(doc_bits, p + 1):
             follower[i] = tokens[q + 1] if q + 1 < n else nxt[0]
+    return touched
 
 
 @njit(cache=True, inline="always")
@@ -164,38 +205,44 @@ def adjacent_lcp(keys, depth, order, elem_bits):
 
 
 @njit(cache=True)
-def _sweep(pos, follower, lcp, order, cap, backward, best_len, best_pos, best_tok):
+def _sweep(pos, follower, lcp, cap, backward, best_len, best_pos, best_tok):
     """One direction of the sweep; combines into best_* (max length, then smallest follower pos)."""
     low = np.full(cap + 1, INF, dtype=np.int64)
     low_f = np.full(cap + 1, INF, dtype=np.int64)
     low_tok = np.zeros(cap + 1, dtype=np.int64)
     top = 0
-    m_count = len(order)
+    m_count = len(pos)
     for step in range(m_count):
-        m = m_count - 1 - step if backward else step
-        i = order[m]
+        i = m_count - 1 - step if backward else step
         t = pos[i]
         h = 0
         if step > 0:
-            prev = order[m + 1] if backward else order[m - 1]
-            h = np.int64(lcp[m + 1] if backward else lcp[m])
+            prev = i + 1 if backward else i - 1
+            h = np.int64(lcp[i + 1] if backward else lcp[i])
             for lev in range(h + 1, top + 1):
                 low[lev] = INF
                 low_f[lev] = INF
+            top = h
+            # low[] and low_f[] are non-decreasing in the level: fold p in from the top down.
             p = pos[prev]
-            has_f = follower[prev] >= 0
-            for lev in range(1, h + 1):
-                if p < low[lev]:
-                    low[lev] = p
-                if has_f and p < low_f[lev]:
+            lev = h
+            while lev >= 1 and low[lev] > p:
+                low[lev] = p
+                lev -= 1
+            if follower[prev] >= 0:
+                lev = h
+                while lev >= 1 and low_f[lev] > p:
                     low_f[lev] = p
                     low_tok[lev] = follower[prev]
-            top = h
-        length = 0
-        for lev in range(h, 0, -1):
-            if low[lev] < t:
-                length = lev
-                break
+                    lev -= 1
+        # largest level <= h whose smallest position is before t (binary search)
+        length, hi = 0, h
+        while length < hi:
+            mid = (length + hi + 1) // 2
+            if low[mid] < t:
+                length = mid
+            else:
+                hi = mid - 1
         if length == 0 or length < best_len[i]:
             continue
         if length > best_len[i]:
@@ -207,18 +254,19 @@ def _sweep(pos, follower, lcp, order, cap, backward, best_len, best_pos, best_to
 
 
 @njit(cache=True)
-def sweep_features(pos, follower, lcp, order, cap):
+def sweep_features(pos, follower, lcp, cap):
     """Longest earlier match length, and the follower token of its smallest such position.
 
-    Returns ``(length, next_pos, next_tok)`` indexed like ``pos``; ``next_pos`` is INF when no
-    position achieving the length has a follower.
+    ``pos``, ``follower`` and ``lcp`` are in merged (sorted) order. Returns ``(length, next_pos,
+    next_tok)`` in the same order; ``next_pos`` is INF when no position achieving the length has
+    a follower.
     """
     n = len(pos)
     best_len = np.zeros(n, dtype=np.int64)
     best_pos = np.full(n, INF, dtype=np.int64)
     best_tok = np.zeros(n, dtype=np.int64)
-    _sweep(pos, follower, lcp, order, cap, False, best_len, best_pos, best_tok)
-    _sweep(pos, follower, lcp, order, cap, True, best_len, best_pos, best_tok)
+    _sweep(pos, follower, lcp, cap, False, best_len, best_pos, best_tok)
+    _sweep(pos, follower, lcp, cap, True, best_len, best_pos, best_tok)
     return best_len, best_pos, best_tok
 
 
@@ -279,10 +327,10 @@ def bucket_histogram(tokens, tail, shard_start, doc_bits, separator, elem_bits, 
 
 
 def doc_start_bits(offsets: np.ndarray, n_total: int) -> np.ndarray:
-    """Bitmap (little-endian bit order) of the positions where a document starts."""
-    bits = np.zeros(n_total + 1, dtype=bool)
+    """Bitmap of the positions where a document starts: bit ``p % 64`` of word ``p // 64``."""
+    bits = np.zeros((n_total // 64 + 2) * 64, dtype=bool)
     bits[np.asarray(offsets[:-1], dtype=np.int64)] = True
-    return np.packbits(bits, bitorder="little")
+    return np.packbits(bits, bitorder="little").view("<u8")
 
 
 def brute_force_features(tokens: np.ndarray, doc_ids: np.ndarray, cap: int):

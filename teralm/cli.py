@@ -18,8 +18,8 @@ def _add_build_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--out", type=Path, help="index folder (default: indexes/<source name>)")
     p.add_argument("--tokenizer", default="bytes", help="bytes (default) or bpe:VOCAB")
-    p.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard")
-    p.add_argument("--max-match", type=int, default=32, help="cap on stored match length")
+    p.add_argument("--shard-tokens", type=int, default=1 << 25, help="tokens per shard (2^25)")
+    p.add_argument("--max-match", type=int, default=32, help="cap on stored match length (32)")
     p.add_argument(
         "--workers",
         type=int,
