@@ -216,7 +216,7 @@ def _features_pass(layout: Layout, catalog: Catalog, config: BuildConfig) -> Non
     plan = features.make_plan(layout)
     jobs = catalog.get("p3/jobs")
     if jobs is None:
-        target = min(max(layout.num_tokens // (4 * max(config.workers, 1)), 1 << 16), 1 << 23)
+        target = min(max(layout.num_tokens // (4 * max(config.workers, 1)), 1 << 12), 1 << 23)
         jobs = features.split_jobs(plan, target)
         catalog.put({"p3/jobs": jobs})
     todo = [

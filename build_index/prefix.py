@@ -16,5 +16,5 @@ def sort_one_shard(layout: Layout, k: int) -> tuple[int, float]:
     start = layout.shard_start(k)
     context = layout.stream()[lo : start + layout.sizes[k]]
     order = sort_shard(context, start - lo, doc_starts, layout.separator, layout.sort_dtype)
-    fmt.write_array_atomic(layout.path(k, "prefix"), order.astype(fmt.PREFIX_DTYPE, copy=False))
+    fmt.write_atomic(layout.path(k, "prefix"), order.astype(fmt.PREFIX_DTYPE, copy=False))
     return k, time.perf_counter() - began

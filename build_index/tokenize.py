@@ -99,7 +99,7 @@ def tokenize_pass(
 
     def commit(resume_doc: int, resume_offset: int) -> None:
         nonlocal shard, written, fill, pending
-        fmt.write_array_atomic(fmt.shard_file(out, shard, "tokens"), buf[:fill])
+        fmt.write_atomic(fmt.shard_file(out, shard, "tokens"), buf[:fill])
         record = {
             "shard": shard,
             "start": written,
@@ -157,7 +157,7 @@ def finish_tokenize(catalog: Catalog, out: Path, tokenizer: Tokenizer) -> dict:
         raise SourceError("the corpus contains no text (0 tokens): nothing to index")
     starts = [record["start"] for _, record in catalog.prefixed(b"doc/")]
     offsets = np.array([*starts, num_tokens], dtype=fmt.OFFSET_DTYPE)
-    fmt.write_array_atomic(out / fmt.DOCUMENT_OFFSETS, offsets)
+    fmt.write_atomic(out / fmt.DOCUMENT_OFFSETS, offsets)
     if tokenizer.dtype.itemsize == 1:
         histogram = np.sum([s["histogram"] for s in shards], axis=0)
         unused = np.flatnonzero(histogram == 0)

@@ -57,25 +57,23 @@ def token_dtype(vocab_size: int) -> np.dtype:
     raise ValueError(f"vocabulary of {vocab_size} tokens does not fit uint16 (at most 65535)")
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+def write_atomic(path: Path, data) -> None:
+    """Write ``data`` (bytes or a numpy array) so readers see the old file or the whole new one.
 
-
-def write_array_atomic(path: Path, array: np.ndarray) -> None:
-    """Write a numpy array's raw bytes atomically (temp name, fsync, rename)."""
+    Temp name, fsync, rename; the temp file is removed if writing fails (e.g. a full disk).
+    """
+    if isinstance(data, np.ndarray):
+        data = np.ascontiguousarray(data).view(np.uint8).data
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        array.tofile(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 

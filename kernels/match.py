@@ -67,8 +67,20 @@ def _load64(words, b):
 
 @njit(cache=True)
 def gather_keys(
-    tokens, words, tail, nxt, shard_start, local, doc_bits, n_total, cap, separator, elem_bits,
-    keys, depth, follower,
+    tokens,
+    words,
+    tail,
+    nxt,
+    shard_start,
+    local,
+    doc_bits,
+    n_total,
+    cap,
+    separator,
+    elem_bits,
+    keys,
+    depth,
+    follower,
 ):
     """Keys of the shard positions ``local`` (sorted order) into ``keys``.
 
@@ -90,7 +102,9 @@ def gather_keys(
             # touch the next rows' memory first: independent loads overlap their cache misses
             for j in range(i, min(i + PREFETCH, len(local))):
                 qj = np.int64(local[j])
-                touched += tokens[qj] + tokens[max(qj - span, 0)] + doc_bits[(shard_start + qj) >> 6]
+                touched += (
+                    tokens[qj] + tokens[max(qj - span, 0)] + doc_bits[(shard_start + qj) >> 6]
+                )
         q = np.int64(local[i])
         p = shard_start + q
         d = _doc_depth(doc_bits, p, cap)

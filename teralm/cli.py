@@ -48,6 +48,8 @@ def _fail(prog: str, message: str) -> int:
 
 
 def _run_build(args: argparse.Namespace, prog: str) -> int:
+    import lmdb
+
     from teralm.build_index.builder import BuildConfig, BuildError, build, format_summary
     from teralm.build_index.sources import SourceError
 
@@ -78,6 +80,12 @@ def _run_build(args: argparse.Namespace, prog: str) -> int:
                 "run the same command again to resume",
             )
         return _fail(prog, f"{e.strerror or e} ({e.filename or config.out})")
+    except lmdb.Error as e:
+        return _fail(
+            prog,
+            f"catalog {config.out / 'catalog.lmdb'}: {e}; if the disk is full, "
+            "free some space and run the same command again to resume",
+        )
     print(format_summary(result, config.out, time.perf_counter() - began))
     return 0
 

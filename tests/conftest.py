@@ -42,6 +42,7 @@ def write_jsonl(path: Path, docs: list[str]) -> Path:
 
 
 def build_docs(tmp_path: Path, docs: list[str], **kwargs) -> Index:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     source = write_jsonl(tmp_path / "corpus.jsonl", docs)
     config = BuildConfig(source=str(source), out=tmp_path / "index", progress=False, **kwargs)
     build(config)

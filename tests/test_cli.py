@@ -1,0 +1,203 @@
+"""build-index from the command line: resume after kill -9, bad input, verify-index."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import build_docs, random_documents, write_jsonl
+from teralm.index import Index
+
+ENV = {**os.environ, "TQDM_DISABLE": "1"}
+
+
+def run_cli(*args, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "teralm.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+        **kwargs,
+    )
+
+
+def assert_clean_failure(result: subprocess.CompletedProcess, out: Path, *words: str) -> None:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr
+    message = result.stderr.strip().splitlines()[-1]  # above it: progress bars only
+    assert message.startswith("teralm build-index: error: "), result.stderr
+    for word in words:
+        assert word in message, message
+    assert not (out / "manifest.json").exists()
+
+
+def content_files(directory: Path) -> dict[str, bytes]:
+    names = [p for p in sorted(directory.iterdir()) if p.name.startswith(("shard-", "documents"))]
+    return {p.name: p.read_bytes() for p in names}
+
+
+def test_killed_build_resumes_to_identical_index(tmp_path):
+    rng = np.random.default_rng(5)
+    docs = [
+        " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "\n"], size=n))
+        for n in rng.integers(100, 3000, size=300)
+    ]
+    source = write_jsonl(tmp_path / "corpus.jsonl", docs)
+    reference = build_docs(tmp_path / "ref", docs, shard_tokens=100_000)
+
+    out = tmp_path / "killed"
+    args = [
+        sys.executable,
+        "-m",
+        "teralm.cli",
+        "build-index",
+        source,
+        "--out",
+        out,
+        "--shard-tokens",
+        "100000",
+        "--workers",
+        "2",
+        "--quiet",
+    ]
+    kills = 0
+    for delay in rng.uniform(1.0, 6.0, size=4):
+        proc = subprocess.Popen(
+            list(map(str, args)),
+            env=ENV,
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        time.sleep(delay)
+        if proc.poll() is not None:
+            break
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        kills += 1
+    assert kills >= 1
+    finished = run_cli(*args[3:])
+    assert finished.returncode == 0, finished.stderr
+    assert content_files(out) == content_files(reference.directory)
+    assert Index.open(out).manifest["shards"] == reference.manifest["shards"]
+    again = run_cli(*args[3:])
+    assert again.returncode == 0 and "already complete" in again.stdout
+
+
+def test_missing_source(tmp_path):
+    result = run_cli("build-index", tmp_path / "nope.txt", "--out", tmp_path / "out")
+    assert_clean_failure(result, tmp_path / "out", "no such file")
+
+
+def test_enwik_offline_names_url_and_path(tmp_path):
+    env = {**ENV, "TERALM_CACHE": str(tmp_path / "cache"), "http_proxy": "http://127.0.0.1:9"}
+    result = subprocess.run(
+        [sys.executable, "-m", "teralm.cli", "build-index", "enwik8", "--out", tmp_path / "o"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert_clean_failure(
+        result, tmp_path / "o", "mattmahoney.net/dc/enwik8.zip", str(tmp_path / "cache" / "enwik8")
+    )
+
+
+def test_empty_corpus(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    result = run_cli("build-index", tmp_path / "empty.txt", "--out", tmp_path / "out")
+    assert_clean_failure(result, tmp_path / "out", "no text")
+
+
+def test_non_utf8_in_bpe_mode(tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("café crème".encode("latin-1") * 50)
+    result = run_cli(
+        "build-index", tmp_path / "latin1.txt", "--out", tmp_path / "out", "--tokenizer", "bpe:300"
+    )
+    assert_clean_failure(result, tmp_path / "out", "UTF-8", "--tokenizer bytes")
+
+
+def test_vocabulary_over_uint16(tmp_path):
+    (tmp_path / "a.txt").write_text("hello")
+    result = run_cli(
+        "build-index", tmp_path / "a.txt", "--out", tmp_path / "out", "--tokenizer", "bpe:70000"
+    )
+    assert_clean_failure(result, tmp_path / "out", "65535")
+
+
+def test_bad_json_line(tmp_path):
+    (tmp_path / "c.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
+    result = run_cli("build-index", tmp_path / "c.jsonl", "--out", tmp_path / "out")
+    assert_clean_failure(result, tmp_path / "out", "c.jsonl:2", "invalid JSON")
+
+
+def test_different_index_refused_unless_forced(tmp_path):
+    (tmp_path / "a.txt").write_text("one corpus " * 20)
+    (tmp_path / "b.txt").write_text("another corpus " * 20)
+    out = tmp_path / "out"
+    assert run_cli("build-index", tmp_path / "a.txt", "--out", out).returncode == 0
+    manifest = (out / "manifest.json").read_bytes()
+    refused = run_cli("build-index", tmp_path / "b.txt", "--out", out)
+    assert refused.returncode != 0 and "--force" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert (out / "manifest.json").read_bytes() == manifest  # nothing lost
+    forced = run_cli("build-index", tmp_path / "b.txt", "--out", out, "--force")
+    assert forced.returncode == 0
+    assert Index.open(out).num_tokens == len("another corpus " * 20)
+
+
+def test_foreign_folder_is_never_deleted(tmp_path):
+    (tmp_path / "a.txt").write_text("text")
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "thesis.tex").write_text("precious")
+    result = run_cli("build-index", tmp_path / "a.txt", "--out", out, "--force")
+    assert_clean_failure(result, out, "choose another folder")
+    assert (out / "thesis.tex").read_text() == "precious"
+
+
+def test_full_disk(tmp_path):
+    (tmp_path / "big.txt").write_bytes(os.urandom(600_000))
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True
+        ).returncode
+        != 0
+    ):
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        result = run_cli("build-index", tmp_path / "big.txt", "--out", mnt / "out")
+        assert_clean_failure(result, mnt / "out", "disk full", "resume")
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_summary_and_verify_index(tmp_path):
+    rng = np.random.default_rng(1)
+    write_jsonl(tmp_path / "c.jsonl", random_documents(rng, 30, max_len=400))
+    out = tmp_path / "out"
+    built = run_cli("build-index", tmp_path / "c.jsonl", "--out", out, "--shard-tokens", "1000")
+    assert built.returncode == 0, built.stderr
+    for word in ("tokens", "documents", "shards", "bytes/tok", "tokenize", "features", "peak RSS"):
+        assert word in built.stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["bytes_per_token"]["total"] == pytest.approx(7.0)
+    ok = run_cli("verify-index", out, "--samples", "50")
+    assert ok.returncode == 0 and "OK" in ok.stdout, ok.stdout + ok.stderr
+    match = out / "shard-00001.match"
+    data = bytearray(match.read_bytes())
+    data[10] ^= 0x05
+    match.write_bytes(bytes(data))
+    bad = run_cli("verify-index", out)
+    assert bad.returncode == 1 and "shard-00001.match" in bad.stdout

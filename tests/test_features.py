@@ -1,0 +1,106 @@
+"""Stored causal features equal an O(N^2) brute force, whatever the sharding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import build_docs, random_documents
+from teralm.index import Index
+from teralm.kernels.match import brute_force_features
+
+
+def doc_ids_of(ix: Index) -> np.ndarray:
+    ids = np.empty(ix.num_tokens, dtype=np.int64)
+    for i in range(ix.num_documents):
+        a, b = ix.document_range(i)
+        ids[a:b] = i
+    return ids
+
+
+def assert_features_match_brute_force(ix: Index) -> None:
+    tokens = ix.tokens(0, ix.num_tokens)
+    lengths, valid_next = brute_force_features(tokens, doc_ids_of(ix), ix.max_match)
+    got = ix.features(0, ix.num_tokens)
+    np.testing.assert_array_equal(got.match_len, lengths)
+    for t, (nxt, valid) in enumerate(zip(got.next_token, valid_next)):
+        if valid:
+            assert nxt in valid, f"position {t}: next {nxt} not among {valid}"
+        else:
+            assert nxt == ix.no_token, f"position {t}: next {nxt}, expected none"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_single_shard_matches_brute_force(tmp_path, seed):
+    rng = np.random.default_rng(seed)
+    docs = random_documents(rng, int(rng.integers(1, 12)), alphabet="ab"[: 1 + seed % 2])
+    ix = build_docs(tmp_path, docs, shard_tokens=1 << 20, max_match=int(rng.integers(2, 40)))
+    assert ix.stream.sizes == [ix.num_tokens]
+    assert_features_match_brute_force(ix)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_random_shards_and_documents_match_brute_force(tmp_path, seed):
+    rng = np.random.default_rng(100 + seed)
+    docs = random_documents(rng, int(rng.integers(2, 20)), max_len=int(rng.integers(3, 150)))
+    shard = int(rng.integers(1, 120))
+    ix = build_docs(tmp_path, docs, shard_tokens=shard, max_match=int(rng.integers(1, 70)))
+    assert len(ix.stream.sizes) == -(-ix.num_tokens // shard)
+    assert_features_match_brute_force(ix)
+
+
+def test_bpe_index_matches_brute_force(tmp_path):
+    rng = np.random.default_rng(7)
+    docs = random_documents(rng, 15, alphabet="ab c", max_len=120)
+    ix = build_docs(tmp_path, docs, tokenizer="bpe:300", shard_tokens=40)
+    assert ix.manifest["tokenizer"] == "bpe" and ix.stream.dtype == np.dtype("<u2")
+    assert ix.vocab_size <= 300
+    assert_features_match_brute_force(ix)
+
+
+def test_all_byte_values_use_a_wide_separator(tmp_path):
+    data = bytes(range(256)) * 3 + b"abcabcabc" + bytes(range(100, 200))
+    (tmp_path / "all.bin").write_bytes(data)
+    from teralm.build_index import BuildConfig, build
+
+    build(
+        BuildConfig(str(tmp_path / "all.bin"), tmp_path / "index", shard_tokens=300, progress=False)
+    )
+    ix = Index.open(tmp_path / "index")
+    assert ix.manifest["separator"] == 256
+    assert_features_match_brute_force(ix)
+
+
+def test_parallel_workers_give_identical_files(tmp_path):
+    rng = np.random.default_rng(3)
+    docs = random_documents(rng, 40, max_len=300)
+    one = build_docs(tmp_path / "one", docs, shard_tokens=500, workers=1)
+    two = build_docs(tmp_path / "two", docs, shard_tokens=500, workers=2)
+    assert len(one.manifest["shards"]) > 1
+    assert one.manifest["shards"] == two.manifest["shards"]
+
+
+def test_features_independent_of_sharding_where_contract_is_exact(tmp_path):
+    rng = np.random.default_rng(11)
+    docs = random_documents(rng, 25, max_len=200)
+    a = build_docs(tmp_path / "a", docs, shard_tokens=10_000)
+    b = build_docs(tmp_path / "b", docs, shard_tokens=37)
+    np.testing.assert_array_equal(
+        a.features(0, a.num_tokens).match_len, b.features(0, b.num_tokens).match_len
+    )
+
+
+def test_read_api(tmp_path):
+    docs = ["hello world", "hello there", "", "wörld"]
+    ix = build_docs(tmp_path, docs, shard_tokens=7)
+    assert ix.num_documents == 3  # the empty document holds no tokens
+    assert ix.num_tokens == sum(len(d.encode()) for d in docs)
+    assert ix.decode(ix.tokens(*ix.document_range(2))) == "wörld"
+    np.testing.assert_array_equal(ix.encode("hello"), np.frombuffer(b"hello", np.uint8))
+    assert ix.document_range(1) == (11, 22)
+    f = ix.features(11, 16)  # "hello" again: matches grow 1..5
+    assert f.match_len.tolist() == [1, 2, 3, 4, 5]
+    assert ix.decode(f.next_token[-1:]) == " "
+    assert ix.features(0, 1).next_token[0] == ix.no_token
+    assert ix.document_source(0) == "0"
+    with pytest.raises(IndexError):
+        ix.document_range(3)

@@ -1,0 +1,69 @@
+"""Fast kernels against their plain references on random inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from teralm.kernels import match as km
+from teralm.kernels.sort import sort_shard, sort_shard_reference
+
+
+def context_key(context, starts, i, separator):
+    key = []
+    while True:
+        key.append(int(context[i]))
+        if i in starts or i == 0:
+            return key + [separator]
+        i -= 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 3), min_size=1, max_size=120),
+    cuts=st.lists(st.integers(1, 119), max_size=6),
+    overlap=st.integers(0, 20),
+    wide=st.booleans(),
+)
+def test_sort_shard_equals_reference(tokens, cuts, overlap, wide):
+    context = np.array(tokens, dtype=np.uint16 if wide else np.uint8)
+    overlap = min(overlap, len(context) - 1)
+    starts = np.array(sorted({c for c in cuts if c < len(context)}), dtype=np.int64)
+    separator = 300 if wide else 9
+    fast = sort_shard(context, overlap, starts, separator, context.dtype)
+    slow = sort_shard_reference(context, overlap, starts, separator)
+    assert sorted(fast.tolist()) == list(range(len(context) - overlap))
+    start_set = set(starts.tolist())
+    keys = [context_key(context, start_set, overlap + int(p), separator) for p in fast]
+    ref = [context_key(context, start_set, overlap + int(p), separator) for p in slow]
+    assert keys == ref
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 2), min_size=2, max_size=200),
+    cuts=st.lists(st.integers(1, 199), max_size=5),
+    cap=st.integers(1, 40),
+)
+def test_brute_force_at_equals_reference(tokens, cuts, cap):
+    x = np.array(tokens, dtype=np.uint8)
+    starts = sorted({0, *(c for c in cuts if c < len(x))})
+    offsets = np.array([*starts, len(x)], dtype=np.uint64)
+    doc_ids = np.repeat(np.arange(len(starts)), np.diff(offsets.astype(np.int64)))
+    lengths, valid_next = km.brute_force_features(x, doc_ids, cap)
+    bits = km.doc_start_bits(offsets, len(x))
+    valid = np.zeros(256, dtype=np.bool_)
+    for t in range(len(x)):
+        valid[:] = False
+        assert km.brute_force_at(x, bits, t, cap, valid) == lengths[t]
+        assert set(np.flatnonzero(valid).tolist()) == valid_next[t]
+
+
+def test_merge_sorted_merges_runs():
+    rng = np.random.default_rng(0)
+    runs = [np.sort(rng.integers(0, 50, size=n)).astype(np.uint64) for n in (0, 5, 17, 1, 30)]
+    keys = np.concatenate(runs)[:, None]
+    starts = np.cumsum([0] + [len(r) for r in runs]).astype(np.int64)
+    order = km.merge_sorted(keys, starts)
+    assert sorted(order.tolist()) == list(range(len(keys)))
+    assert np.all(np.diff(keys[order, 0].astype(np.int64)) >= 0)
