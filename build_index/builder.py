@@ -18,7 +18,7 @@ from teralm.build_index.layout import Layout
 from teralm.build_index.monitor import PassStats, measure
 from teralm.build_index.sources import resolve_source
 from teralm.index import format as fmt
-from teralm.index.catalog import Catalog
+from teralm.index.catalog import Catalog, unit_key
 from teralm.index.tokenizer import ByteTokenizer, load_tokenizer, parse_tokenizer_spec
 from tqdm import tqdm
 
@@ -84,8 +84,12 @@ def _prepare_out(config: BuildConfig) -> None:
     if config.force:
         if len(ours) != len(entries):
             raise BuildError(f"--out {out} holds files that are not part of an index; not deleting")
-        for p in ours:
+        # the manifest first: a folder left half-deleted must not look complete
+        for p in sorted(ours, key=lambda p: p.name != fmt.MANIFEST):
             shutil.rmtree(p) if p.is_dir() else p.unlink()
+    for p in ours:  # leftovers of a killed run: never complete, never read
+        if ".tmp" in p.name and p.exists():
+            p.unlink()
 
 
 def _check_params(catalog: Catalog, params: dict, out: Path) -> bool:
@@ -183,7 +187,7 @@ def _build_passes(config, source, kind, vocab, catalog, resumed) -> BuildResult:
         todo = [
             (layout, k)
             for k in range(layout.num_shards)
-            if catalog.get(f"p2/shard/{k:05d}") is None
+            if catalog.get(unit_key("p2/shard", k)) is None
         ]
         stats[1].skipped = not todo
         with tqdm(
@@ -196,7 +200,7 @@ def _build_passes(config, source, kind, vocab, catalog, resumed) -> BuildResult:
 
             def sorted_done(result):
                 k, seconds = result
-                catalog.put({f"p2/shard/{k:05d}": {"seconds": seconds}})
+                catalog.put({unit_key("p2/shard", k): {"seconds": seconds}})
                 bar.update()
 
             _run_units(prefix.sort_one_shard, todo, config.workers, sorted_done)
@@ -212,25 +216,23 @@ def _build_passes(config, source, kind, vocab, catalog, resumed) -> BuildResult:
 
 
 def _features_pass(layout: Layout, catalog: Catalog, config: BuildConfig) -> None:
-    features.create_match_files(layout)
+    features.create_sorted_feature_files(layout)
     plan = features.make_plan(layout)
     jobs = catalog.get("p3/jobs")
     if jobs is None:
         target = min(max(layout.num_tokens // (4 * max(config.workers, 1)), 1 << 12), 1 << 23)
         jobs = features.split_jobs(plan, target)
         catalog.put({"p3/jobs": jobs})
+    tables = features.Plan(plan.first, plan.first_f, plan.first_tok, plan.cumulative[:0])
     todo = [
-        (layout, plan, tuple(b))
+        (i, features.job_ranges(plan, tuple(b)))
         for i, b in enumerate(jobs)
-        if catalog.get(f"p3/job/{i:05d}") is None
+        if catalog.get(unit_key("p3/job", i)) is None
     ]
-    index_of = {tuple(b): i for i, b in enumerate(jobs)}
-    done_tokens = layout.num_tokens - sum(
-        int(plan.cumulative[:, b1].sum() - plan.cumulative[:, b0].sum()) for _, _, (b0, b1) in todo
-    )
+    remaining = sum(hi - lo for _, ranges in todo for lo, hi in ranges)
     with tqdm(
         total=layout.num_tokens,
-        initial=done_tokens,
+        initial=layout.num_tokens - remaining,
         unit="tok",
         unit_scale=True,
         desc="pass 3/4 features",
@@ -238,16 +240,30 @@ def _features_pass(layout: Layout, catalog: Catalog, config: BuildConfig) -> Non
     ) as bar:
 
         def job_done(result):
-            buckets, rows = result
-            catalog.put({f"p3/job/{index_of[buckets]:05d}": {"positions": rows}})
+            i, rows = result
+            catalog.put({unit_key("p3/job", i): {"positions": rows}})
             bar.update(rows)
 
-        _run_units(_job_with_key, todo, config.workers, job_done)
+        _run_units(
+            _numbered_job, [(i, layout, tables, r) for i, r in todo], config.workers, job_done
+        )
+
+    shards = [
+        (layout, k)
+        for k in range(layout.num_shards)
+        if catalog.get(unit_key("p3/shard", k)) is None
+    ]
+    _run_units(
+        features.write_match_file,
+        shards,
+        config.workers,
+        lambda result: catalog.put({unit_key("p3/shard", result[0]): {"tokens": result[1]}}),
+    )
     catalog.put({"p3/done": {"jobs": len(jobs)}})
 
 
-def _job_with_key(layout, plan, buckets):
-    return buckets, features.features_job(layout, plan, buckets)
+def _numbered_job(i, layout, tables, ranges):
+    return i, features.features_job(layout, tables, ranges)
 
 
 def _finalize(

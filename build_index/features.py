@@ -16,7 +16,6 @@ from functools import lru_cache
 import numpy as np
 from teralm.build_index.layout import Layout
 from teralm.index import format as fmt
-from teralm.index.reader import open_match
 from teralm.kernels import match as km
 
 BUCKETS = 1 << 16
@@ -90,18 +89,20 @@ def split_jobs(plan: Plan, target: int) -> list[tuple[int, int]]:
     return jobs
 
 
-def features_job(layout: Layout, plan: Plan, buckets: tuple[int, int]) -> int:
-    """Compute and write the features of every position whose key lies in ``buckets``.
-
-    Returns the number of positions written.
-    """
+def job_ranges(plan: Plan, buckets: tuple[int, int]) -> list[tuple[int, int]]:
+    """Per shard, the ``.prefix`` range ``[lo, hi)`` whose keys lie in the bucket range."""
     b0, b1 = buckets
+    return [(int(lo), int(hi)) for lo, hi in zip(plan.cumulative[:, b0], plan.cumulative[:, b1])]
+
+
+def features_job(layout: Layout, plan: Plan, ranges: list[tuple[int, int]]) -> int:
+    """Compute and store the features of the positions in ``ranges`` (one range per shard).
+
+    ``plan`` needs only its first-occurrence tables here. Returns the number of positions.
+    """
     bits = _doc_bits(layout)
     stream = layout.stream()
     cap, elem_bits = layout.max_match, layout.elem_bits
-    ranges = [
-        (int(plan.cumulative[k, b0]), int(plan.cumulative[k, b1])) for k in range(layout.num_shards)
-    ]
     run_starts = np.cumsum([0] + [hi - lo for lo, hi in ranges]).astype(np.int64)
     rows = int(run_starts[-1])
     keys = np.empty((rows, km.key_words(cap, elem_bits)), dtype=np.uint64)
@@ -149,28 +150,55 @@ def features_job(layout: Layout, plan: Plan, buckets: tuple[int, int]) -> int:
     next_row = np.empty(rows, dtype=np.int64)
     next_row[order] = np.where(has_next, np.where(short, plan.first_tok[token], next_tok), 0)
 
-    for k, local in enumerate(locals_):
-        if len(local) == 0:
+    # Rows of run k are shard k's prefix entries lo..hi: store them in that (sorted) order.
+    width = np.dtype(layout.token_dtype).itemsize
+    for k, (lo, hi) in enumerate(ranges):
+        if hi == lo:
             continue
         r = slice(run_starts[k], run_starts[k + 1])
-        out_len, out_next = open_match(
-            layout.directory, k, layout.sizes[k], layout.token_dtype, "r+"
-        )
-        out_len[local] = len_byte[r]
-        out_next[local] = next_row[r]
-        out_len.flush()
-        out_next.flush()
+        n = layout.sizes[k]
+        fd = os.open(sorted_features_path(layout, k), os.O_WRONLY)
+        try:
+            os.pwrite(fd, len_byte[r].data, lo)
+            os.pwrite(fd, next_row[r].astype(layout.token_dtype).data, n + lo * width)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     return rows
 
 
-def create_match_files(layout: Layout) -> None:
-    """Allocate (sparse, zero) ``.match`` files that do not exist yet, atomically."""
+def sorted_features_path(layout: Layout, k: int):
+    """Pass 3's work file for shard ``k``: features in ``.prefix`` order (removed at the end)."""
+    return layout.path(k, "match").with_suffix(".match-sorted")
+
+
+def create_sorted_feature_files(layout: Layout) -> None:
+    """Allocate (sparse) work files for the shards whose ``.match`` is not written yet."""
     width = 1 + np.dtype(layout.token_dtype).itemsize
     for k, n in enumerate(layout.sizes):
-        path = layout.path(k, "match")
-        if path.exists() and path.stat().st_size == n * width:
+        path = sorted_features_path(layout, k)
+        if layout.path(k, "match").exists() or (path.exists() and path.stat().st_size == n * width):
             continue
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
         with open(tmp, "wb") as f:
             f.truncate(n * width)
         os.replace(tmp, path)
+
+
+def write_match_file(layout: Layout, k: int) -> tuple[int, int]:
+    """Scatter shard ``k``'s sorted-order features to position order: the ``.match`` file.
+
+    The work file is removed only after the ``.match`` file is complete, so a re-run after a
+    crash in between finds the ``.match`` and has nothing to do.
+    """
+    if not sorted_features_path(layout, k).exists() and layout.path(k, "match").exists():
+        return k, layout.sizes[k]
+    n, dtype = layout.sizes[k], np.dtype(layout.token_dtype)
+    prefix = np.fromfile(layout.path(k, "prefix"), dtype=fmt.PREFIX_DTYPE)
+    work = np.fromfile(sorted_features_path(layout, k), dtype=np.uint8)
+    out = np.empty(n * (1 + dtype.itemsize), dtype=np.uint8)
+    out[:n][prefix] = work[:n]
+    out[n:].view(dtype)[prefix] = work[n:].view(dtype)
+    fmt.write_atomic(layout.path(k, "match"), out)
+    sorted_features_path(layout, k).unlink()
+    return k, n

@@ -12,6 +12,7 @@ import sysconfig
 import urllib.error
 import urllib.request
 import zipfile
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,21 @@ class SourceError(Exception):
 
 ENWIK_URL = "http://mattmahoney.net/dc/{name}.zip"
 ENWIK_SIZES = {"enwik8": 100_000_000, "enwik9": 1_000_000_000}
-TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".html", ".xml", ".json", ".csv", ".tex", ".c", ".h"}
+TEXT_SUFFIXES = {
+    ".txt",
+    ".md",
+    ".rst",
+    ".py",
+    ".html",
+    ".xml",
+    ".csv",
+    ".tex",
+    ".c",
+    ".h",
+    ".jsonl",
+    ".gz",
+}
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4", ".7z")
 
 Document = tuple[str, "str | bytes"]
 
@@ -48,6 +63,8 @@ class Source:
         """Identity of the source's content, to refuse resuming a build over a changed corpus."""
         if self.path is None:
             return f"{self.kind}:{self.name}"
+        if self.kind == "enwik":
+            return f"enwik:{self.name}:{self.path.stat().st_size}"
         files = sorted(self._files()) if self.path.is_dir() else [self.path]
         digest = hashlib.sha256()
         for f in files:
@@ -72,21 +89,37 @@ class Source:
             "jsonl": self._jsonl,
             "parquet": self._parquet,
             "hf": self._hf_dataset,
+            "hf_disk": self._hf_saved,
         }[self.kind]
         return reader()
 
     def _files(self) -> list[Path]:
-        suffixes = {".py"} if self.kind == "folder" and self.name == "stdlib" else TEXT_SUFFIXES
+        """Files of a folder source in a fixed order (text files only, for a plain folder)."""
+        if self.kind == "folder":
+            suffixes = {".py"} if self.name == "stdlib" else TEXT_SUFFIXES
+        else:
+            suffixes = None
         skip = {"site-packages", "__pycache__"}
         found = []
         for root, dirs, files in os.walk(self.path):
             dirs[:] = sorted(d for d in dirs if d not in skip and not d.startswith("."))
-            found += [Path(root) / f for f in sorted(files) if Path(f).suffix in suffixes]
+            found += [
+                Path(root) / f
+                for f in sorted(files)
+                if suffixes is None
+                or Path(f).suffix in suffixes
+                and (not f.endswith(".gz") or f.endswith(".jsonl.gz"))
+            ]
         return found
 
     def _folder(self):
         done = 0
         for f in self._files():
+            if f.name.endswith((".jsonl", ".jsonl.gz")):
+                for document, _ in self._jsonl_records(f):
+                    yield document, done
+                done += f.stat().st_size
+                continue
             data = _read_file(f)
             done += len(data)
             yield (str(f.relative_to(self.path)), data), done
@@ -107,16 +140,25 @@ class Source:
             yield (label, page), b
 
     def _jsonl(self):
-        with open(self.path, "rb") as raw:
-            f = gzip.GzipFile(fileobj=raw) if self.path.suffix == ".gz" else raw
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise SourceError(f"{self.path}:{lineno}: invalid JSON ({e.msg})") from None
-                yield self._record(record, f"{self.path.name}:{lineno}"), raw.tell()
+        yield from self._jsonl_records(self.path)
+
+    def _jsonl_records(self, path: Path):
+        """Records of a JSON-lines file (gzip when it ends in .gz); a label per line."""
+        try:
+            with open(path, "rb") as raw:
+                f = gzip.GzipFile(fileobj=raw) if path.suffix == ".gz" else raw
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise SourceError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+                    yield self._record(record, f"{path.name}:{lineno}"), raw.tell()
+        except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+            raise SourceError(f"{path}: damaged or truncated gzip file ({e})") from None
+        except OSError as e:
+            raise SourceError(f"cannot read {path}: {e.strerror or e}") from None
 
     def _record(self, record, fallback: str) -> Document:
         if not isinstance(record, dict) or self.text_field not in record:
@@ -155,10 +197,37 @@ class Source:
         except Exception as e:  # datasets raises many types for "not found / offline"
             raise SourceError(
                 f"'{self.name}' is not a file or folder, and loading it as a Hugging Face "
-                f"dataset failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                f"dataset failed: {_first_line(e)}"
             ) from None
+        yield from _guarded(
+            self.name, ((self._record(r, f"{name}:{row}"), 0) for row, r in enumerate(dataset, 1))
+        )
+
+    def _hf_saved(self):
+        """A dataset written by ``datasets``' ``save_to_disk`` (its train split, if several)."""
+        import datasets
+
+        dataset = datasets.load_from_disk(str(self.path))
+        if isinstance(dataset, datasets.DatasetDict):
+            if not dataset:
+                raise SourceError(f"{self.path}: the saved dataset has no splits")
+            dataset = dataset["train"] if "train" in dataset else next(iter(dataset.values()))
         for row, record in enumerate(dataset, 1):
-            yield self._record(record, f"{name}:{row}"), 0
+            yield self._record(record, f"{self.path.name}:{row}"), 0
+
+
+def _guarded(name: str, records):
+    """Re-raise a dataset library's errors while streaming as a SourceError."""
+    try:
+        yield from records
+    except SourceError:
+        raise
+    except Exception as e:
+        raise SourceError(f"reading dataset '{name}' failed: {_first_line(e)}") from None
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def _read_file(path: Path) -> bytes:
@@ -176,15 +245,20 @@ def resolve_source(spec: str, text_field: str = "text", download: bool = True) -
         return Source(spec, "folder", Path(sysconfig.get_paths()["stdlib"]))
     path = Path(spec).expanduser()
     if path.is_dir():
-        return Source(spec, "folder", path.resolve(), text_field)
+        saved = any((path / f).exists() for f in ("state.json", "dataset_dict.json"))
+        return Source(spec, "hf_disk" if saved else "folder", path.resolve(), text_field)
     if path.is_file():
         if not os.access(path, os.R_OK):
             raise SourceError(f"cannot read {path}: permission denied")
-        suffixes = "".join(path.suffixes[-2:])
-        if suffixes.endswith((".jsonl", ".jsonl.gz", ".json")):
+        name = path.name.lower()
+        if name.endswith((".jsonl", ".jsonl.gz", ".json", ".json.gz", ".ndjson")):
             kind = "jsonl"
-        elif path.suffix == ".parquet":
+        elif name.endswith(".parquet"):
             kind = "parquet"
+        elif name.endswith(COMPRESSED):
+            raise SourceError(
+                f"{spec}: compressed files other than .jsonl.gz are not read; decompress it first"
+            )
         else:
             kind = "text"
         return Source(spec, kind, path.resolve(), text_field)
@@ -220,11 +294,17 @@ def fetch_enwik(name: str, download: bool = True) -> Path:
             f"cannot download {url} ({reason}); download it by hand, unzip it and put "
             f"{name} at {target} (or in the current folder), then run again"
         ) from None
-    with zipfile.ZipFile(archive) as z, z.open(name) as member:
-        tmp = target.with_suffix(".part")
-        with open(tmp, "wb") as out:
+    tmp = target.with_suffix(".part")
+    try:
+        with zipfile.ZipFile(archive) as z, z.open(name) as member, open(tmp, "wb") as out:
             while chunk := member.read(1 << 24):
                 out.write(chunk)
+    except (zipfile.BadZipFile, KeyError) as e:
+        archive.unlink(missing_ok=True)
+        raise SourceError(
+            f"{url} did not give the expected zip archive ({e}); try again, or "
+            f"download it by hand and put the unzipped {name} at {target}"
+        ) from None
     if tmp.stat().st_size != expected:
         raise SourceError(f"{url} unpacked to {tmp.stat().st_size:,} bytes, expected {expected:,}")
     os.replace(tmp, target)

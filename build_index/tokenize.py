@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 from teralm.build_index.sources import Source, SourceError
 from teralm.index import format as fmt
-from teralm.index.catalog import Catalog, doc_key
+from teralm.index.catalog import Catalog, doc_key, unit_key
 from teralm.index.tokenizer import BPETokenizer, Tokenizer
 from tqdm import tqdm
 
 BPE_SAMPLE_BYTES = 64 << 20
 BATCH_BYTES = 8 << 20
-SHARD_KEY = "p1/shard/"
+SHARD_KEY = "p1/shard"
 
 
 def train_bpe(source: Source, vocab_size: int, out: Path) -> BPETokenizer:
@@ -85,7 +85,7 @@ def tokenize_pass(
 ) -> None:
     """Write every shard not yet recorded, resuming after the last recorded one."""
     last = None
-    for _, record in catalog.prefixed(SHARD_KEY):
+    for _, record in catalog.prefixed(SHARD_KEY + "/"):
         last = record
     shard = 0 if last is None else last["shard"] + 1
     written = 0 if last is None else last["start"] + last["num_tokens"]
@@ -110,7 +110,7 @@ def tokenize_pass(
         }
         if tokenizer.dtype.itemsize == 1:
             record["histogram"] = np.bincount(buf[:fill], minlength=256).tolist()
-        catalog.put({f"{SHARD_KEY}{shard:05d}": record, **pending})
+        catalog.put({unit_key(SHARD_KEY, shard): record, **pending})
         shard, written, fill, pending = shard + 1, written + fill, 0, {}
 
     bar = tqdm(
@@ -150,7 +150,7 @@ def tokenize_pass(
 
 def finish_tokenize(catalog: Catalog, out: Path, tokenizer: Tokenizer) -> dict:
     """Summarise pass 1: shard sizes, document offsets file, separator value."""
-    shards = [record for _, record in catalog.prefixed(SHARD_KEY)]
+    shards = [record for _, record in catalog.prefixed(SHARD_KEY + "/")]
     sizes = [s["num_tokens"] for s in shards]
     num_tokens = sum(sizes)
     if num_tokens == 0:

@@ -11,6 +11,11 @@ import lmdb
 MAP_SIZE = 1 << 40  # address space only; the file grows with its content
 
 
+def unit_key(kind: str, i: int) -> str:
+    """Key of a build progress record, e.g. ``p2/shard/0000000003`` (sorts numerically)."""
+    return f"{kind}/{i:010d}"
+
+
 def doc_key(doc_id: int) -> bytes:
     return b"doc/" + doc_id.to_bytes(8, "big")
 

@@ -101,7 +101,10 @@ def _run_verify(args: argparse.Namespace) -> int:
         return _fail("teralm verify-index", str(e))
     layout = Layout.from_manifest(args.index, m)
     problems = [] if args.no_checksums else check_checksums(layout, m["shards"], not args.quiet)
-    problems += verify(layout, args.samples, args.seed)
+    try:
+        problems += verify(layout, args.samples, args.seed)
+    except (OSError, ValueError) as e:  # a missing or truncated file
+        problems.append(f"cannot read the index files: {e}")
     for p in problems:
         print(f"FAIL {p}")
     checked = "sizes and checksums, " if not args.no_checksums else ""

@@ -65,3 +65,19 @@ def test_pydocs_subset_build(tmp_path):
     assert ix.num_tokens == sum(len(d.encode()) for d in docs)
     assert verify(layout, 100, seed=1) == []
     assert np.mean(ix.features(0, ix.num_tokens).match_len) > 8
+
+
+def test_parquet_and_saved_dataset_sources(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = ["first document", "second one, longer", "third"]
+    pq.write_table(pa.table({"body": texts, "title": ["a", "b", "c"]}), tmp_path / "c.parquet")
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "saved"))
+    for source, field in ((tmp_path / "c.parquet", "body"), (tmp_path / "saved", "text")):
+        out = tmp_path / f"ix-{source.name}"
+        build(BuildConfig(str(source), out, text_field=field, progress=False))
+        ix = Index.open(out)
+        assert [ix.decode(ix.tokens(*ix.document_range(i))) for i in range(3)] == texts
+    assert Index.open(tmp_path / "ix-c.parquet").document_source(1) == "b"

@@ -1,0 +1,69 @@
+"""Helpers shared by the benchmarks: measured subprocesses, tables, JSON results, data paths."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+RESULTS = ROOT / "benchmarks" / "results"
+CACHE = ROOT / "benchmarks" / "cache"
+
+
+def run_measured(cmd: list[str], interval: float = 0.2, **kwargs) -> dict:
+    """Run ``cmd``; return wall seconds, peak RSS of its process tree, exit code and output tail."""
+    began = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs
+    )
+    root = psutil.Process(proc.pid)
+    peak = 0
+    while proc.poll() is None:
+        total = 0
+        try:
+            for p in [root, *root.children(recursive=True)]:
+                total += p.memory_info().rss
+        except psutil.Error:
+            pass
+        peak = max(peak, total)
+        time.sleep(interval)
+    output = proc.stdout.read()
+    return {
+        "wall_s": time.perf_counter() - began,
+        "peak_rss": peak,
+        "returncode": proc.returncode,
+        "output": output[-3000:],
+    }
+
+
+def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """Plain-text table; ``columns`` are (key, header, format spec); the first column is a label."""
+
+    def cell(row, key, spec):
+        value = row.get(key)
+        return "-" if value is None else format(value, spec)
+
+    widths = [max(len(h), 8, *(len(cell(r, k, s)) for r in rows)) for k, h, s in columns]
+
+    def line(cells):
+        first, *rest = cells
+        return "  ".join(
+            [f"{first:<{widths[0]}}", *(f"{c:>{w}}" for c, w in zip(rest, widths[1:]))]
+        )
+
+    lines = [line([h for _, h, _ in columns])]
+    lines.append("-" * len(lines[0]))
+    lines += [line([cell(r, k, s) for k, _, s in columns]) for r in rows]
+    return "\n".join(lines)
+
+
+def save(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=1))
+    return path
