@@ -142,6 +142,21 @@ def _key_less(keys, a, b):
     return a < b
 
 
+@njit(cache=True, inline="always")
+def _sift_down(keys, head, heap, size, i):
+    """Restore the heap property below ``heap[i]`` (runs ordered by their head rows' keys)."""
+    while True:
+        c = 2 * i + 1
+        if c >= size:
+            return
+        if c + 1 < size and _key_less(keys, head[heap[c + 1]], head[heap[c]]):
+            c += 1
+        if not _key_less(keys, head[heap[c]], head[heap[i]]):
+            return
+        heap[i], heap[c] = heap[c], heap[i]
+        i = c
+
+
 @njit(cache=True)
 def merge_sorted(keys, run_starts):
     """Order of rows of ``keys`` merging the sorted runs ``run_starts[k]:run_starts[k+1]``.
@@ -156,20 +171,8 @@ def merge_sorted(keys, run_starts):
         if head[k] < run_starts[k + 1]:
             heap[size] = k
             size += 1
-    # heapify
-    for start in range(size // 2 - 1, -1, -1):
-        i = start
-        while True:
-            c = 2 * i + 1
-            if c >= size:
-                break
-            if c + 1 < size and _key_less(keys, head[heap[c + 1]], head[heap[c]]):
-                c += 1
-            if _key_less(keys, head[heap[c]], head[heap[i]]):
-                heap[i], heap[c] = heap[c], heap[i]
-                i = c
-            else:
-                break
+    for i in range(size // 2 - 1, -1, -1):
+        _sift_down(keys, head, heap, size, i)
     order = np.empty(run_starts[-1] - run_starts[0], dtype=np.int64)
     for m in range(len(order)):
         k = heap[0]
@@ -178,18 +181,7 @@ def merge_sorted(keys, run_starts):
         if head[k] == run_starts[k + 1]:
             size -= 1
             heap[0] = heap[size]
-        i = 0
-        while True:
-            c = 2 * i + 1
-            if c >= size:
-                break
-            if c + 1 < size and _key_less(keys, head[heap[c + 1]], head[heap[c]]):
-                c += 1
-            if _key_less(keys, head[heap[c]], head[heap[i]]):
-                heap[i], heap[c] = heap[c], heap[i]
-                i = c
-            else:
-                break
+        _sift_down(keys, head, heap, size, 0)
     return order
 
 
