@@ -216,6 +216,7 @@ def _build_passes(config, source, kind, vocab, catalog, resumed) -> BuildResult:
 
 
 def _features_pass(layout: Layout, catalog: Catalog, config: BuildConfig) -> None:
+    features.forget_cached_files()
     features.create_sorted_feature_files(layout)
     plan = features.make_plan(layout)
     jobs = catalog.get("p3/jobs")

@@ -36,6 +36,18 @@ def _doc_bits(layout: Layout) -> np.ndarray:
     return km.doc_start_bits(layout.offsets(), layout.num_tokens)
 
 
+@lru_cache(maxsize=1 << 16)
+def _prefix(layout: Layout, k: int) -> np.ndarray:
+    """Shard ``k``'s sorted positions, mapped once per worker process."""
+    return np.memmap(layout.path(k, "prefix"), dtype=fmt.PREFIX_DTYPE, mode="r")
+
+
+def forget_cached_files() -> None:
+    """Drop per-process mappings (a new build may have replaced the files)."""
+    _prefix.cache_clear()
+    _doc_bits.cache_clear()
+
+
 def _neighbours(layout: Layout, stream, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Up to ``max_match`` tokens before shard ``k`` and the one token after it."""
     start, stop = layout.shard_start(k), layout.shard_start(k) + layout.sizes[k]
@@ -111,8 +123,7 @@ def features_job(layout: Layout, plan: Plan, ranges: list[tuple[int, int]]) -> i
     pos = np.empty(rows, dtype=np.int64)
     locals_ = []
     for k, (lo, hi) in enumerate(ranges):
-        prefix = np.memmap(layout.path(k, "prefix"), dtype=fmt.PREFIX_DTYPE, mode="r")
-        local = np.array(prefix[lo:hi])
+        local = np.array(_prefix(layout, k)[lo:hi])
         locals_.append(local)
         r = slice(run_starts[k], run_starts[k + 1])
         tail, nxt = _neighbours(layout, stream, k)
