@@ -115,6 +115,32 @@ def _run_verify(args: argparse.Namespace) -> int:
     return 0 if not problems else 1
 
 
+def _run_query(args: argparse.Namespace) -> int:
+    from teralm.index import Index
+    from teralm.index.query import QueryEngine
+
+    try:
+        ix = Index.open(args.index)
+    except ValueError as e:
+        return _fail("teralm query", str(e))
+    engine = QueryEngine(ix)
+    context = ix.encode(args.text)
+    match = engine.longest_match([context])
+    length, count = int(match.length[0]), int(match.count[0])
+    matched = ix.decode(context[len(context) - length :]) if length else ""
+    print(f"longest match: {length} of {len(context)} tokens, {count:,} occurrences: {matched!r}")
+    tokens, counts = engine.next_token_distribution([context])[0]
+    total = counts.sum()
+    if len(tokens):
+        print("next token      probability   count")
+    for token, n in zip(tokens[: args.top], counts[: args.top]):
+        print(f"  {ix.decode([int(token)])!r:<14} {n / total:10.3f} {n:8,}")
+    for hit in engine.documents(context, k=args.sources):
+        snippet = " ".join(hit["snippet"].split())
+        print(f"[doc {hit['document']}] {hit['source']} @ {hit['offset']}: {snippet[:100]!r}")
+    return 0
+
+
 def build_index_main(argv: list[str] | None = None) -> int:
     """``build-index SOURCE [options]``."""
     parser = argparse.ArgumentParser(
@@ -126,7 +152,7 @@ def build_index_main(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``teralm build-index | verify-index``."""
+    """``teralm build-index | verify-index | query``."""
     parser = argparse.ArgumentParser(prog="teralm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_build_args(sub.add_parser("build-index", help="build the index of a corpus"))
@@ -136,9 +162,16 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--no-checksums", action="store_true")
     v.add_argument("--quiet", action="store_true")
+    q = sub.add_parser("query", help="longest match, next tokens and sources of a text")
+    q.add_argument("index", type=Path)
+    q.add_argument("text")
+    q.add_argument("--top", type=int, default=5, help="continuations to show")
+    q.add_argument("--sources", type=int, default=3, help="documents to show")
     args = parser.parse_args(argv)
     if args.command == "build-index":
         return _run_build(args, "teralm build-index")
+    if args.command == "query":
+        return _run_query(args)
     return _run_verify(args)
 
 

@@ -1,0 +1,159 @@
+"""Query engine against brute force on random corpora with planted repeats."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from conftest import build_docs, random_documents
+from test_features import doc_ids_of
+
+from teralm.index.query import OnlineMatcher, QueryEngine
+
+
+def occurrences(x, doc_ids, suffix) -> list[int]:
+    """End positions p with x[p-l+1..p] == suffix inside one document."""
+    n, l = len(x), len(suffix)
+    if l == 0:
+        return list(range(n))
+    return [p for p in range(l - 1, n)
+            if doc_ids[p - l + 1] == doc_ids[p] and list(x[p - l + 1 : p + 1]) == list(suffix)]
+
+
+def has_follower(doc_ids, p) -> bool:
+    return p + 1 < len(doc_ids) and doc_ids[p + 1] == doc_ids[p]
+
+
+def brute_longest(x, doc_ids, context):
+    for l in range(len(context), -1, -1):
+        ends = occurrences(x, doc_ids, context[len(context) - l :])
+        nexts = Counter(int(x[p + 1]) for p in ends if has_follower(doc_ids, p))
+        if nexts:
+            return l, len(ends), nexts
+    return 0, len(x), Counter()
+
+
+def random_contexts(rng, x, count):
+    contexts = []
+    for _ in range(count):
+        if rng.random() < 0.7 and len(x) > 2:
+            a = int(rng.integers(0, len(x) - 1))
+            piece = list(x[a : a + int(rng.integers(1, 30))])
+        else:
+            piece = []
+        contexts.append([int(t) for t in rng.integers(97, 100, size=int(rng.integers(0, 6)))] + piece)
+    return contexts
+
+
+@pytest.fixture(params=[0, 1, 2])
+def corpus(request, tmp_path):
+    rng = np.random.default_rng(40 + request.param)
+    docs = random_documents(rng, 12, max_len=90)
+    ix = build_docs(tmp_path, docs, shard_tokens=int(rng.integers(20, 200)))
+    return ix, rng
+
+
+def test_longest_match_and_distribution_equal_brute_force(corpus):
+    ix, rng = corpus
+    engine = QueryEngine(ix)
+    x, doc_ids = ix.tokens(0, ix.num_tokens), doc_ids_of(ix)
+    contexts = random_contexts(rng, x, 40)
+    match = engine.longest_match(contexts)
+    dists = engine.next_token_distribution(contexts)
+    for c, context in enumerate(contexts):
+        length, count, nexts = brute_longest(x, doc_ids, context)
+        assert (match.length[c], match.count[c]) == (length, count), context
+        tokens, counts = dists[c]
+        assert dict(zip(tokens.tolist(), counts.tolist())) == dict(nexts)
+        assert list(counts) == sorted(counts, reverse=True)
+
+
+def test_sharded_equals_unsharded(tmp_path):
+    rng = np.random.default_rng(9)
+    docs = random_documents(rng, 20, max_len=150)
+    one = QueryEngine(build_docs(tmp_path / "one", docs, shard_tokens=1 << 20))
+    many = QueryEngine(build_docs(tmp_path / "many", docs, shard_tokens=33))
+    contexts = random_contexts(rng, one.index.tokens(0, one.index.num_tokens), 50)
+    a, b = one.longest_match(contexts), many.longest_match(contexts)
+    np.testing.assert_array_equal(a.length, b.length)
+    np.testing.assert_array_equal(a.count, b.count)
+    for (ta, ca), (tb, cb) in zip(one.next_token_distribution(contexts, top_k=3),
+                                  many.next_token_distribution(contexts, top_k=3)):
+        np.testing.assert_array_equal(ta, tb)
+        np.testing.assert_array_equal(ca, cb)
+
+
+def test_online_matcher_equals_brute_force_step_by_step(corpus):
+    ix, rng = corpus
+    engine = QueryEngine(ix)
+    x, doc_ids = ix.tokens(0, ix.num_tokens), doc_ids_of(ix)
+    for _ in range(4):
+        a = int(rng.integers(0, len(x) - 1))
+        text = [int(t) for t in x[a : a + 40]] + [int(t) for t in rng.integers(97, 100, size=15)]
+        matcher = OnlineMatcher(engine, max_len=12)
+        for i, token in enumerate(text):
+            length, nxt = matcher.push(token)
+            prefix = text[: i + 1]
+            want = max(l for l in range(min(12, len(prefix)) + 1)
+                       if occurrences(x, doc_ids, prefix[len(prefix) - l :]))
+            assert length == want, (prefix, length, want)
+            ends = occurrences(x, doc_ids, prefix[len(prefix) - want :]) if want else []
+            valid = {int(x[p + 1]) for p in ends if has_follower(doc_ids, p)}
+            assert (nxt in valid) if valid else nxt == ix.no_token
+
+
+def test_online_matcher_agrees_with_stored_features(corpus):
+    ix, _ = corpus
+    engine = QueryEngine(ix)
+    stored = ix.features(0, ix.num_tokens)
+    for doc in range(ix.num_documents):
+        start, stop = ix.document_range(doc)
+        matcher = OnlineMatcher(engine)
+        online = [length for length, _ in matcher.extend(ix.tokens(start, stop))]
+        assert all(o >= s for o, s in zip(online, stored.match_len[start:stop]))
+
+
+def test_documents_attribution(corpus):
+    ix, rng = corpus
+    engine = QueryEngine(ix)
+    x = ix.tokens(0, ix.num_tokens)
+    context = list(x[10:25])
+    hits = engine.documents(context, k=3)
+    length = int(engine.longest_match([context]).length[0])
+    assert 1 <= len(hits) <= 3 and length > 0
+    for hit in hits:
+        start, _ = ix.document_range(hit["document"])
+        at = start + hit["offset"]
+        assert list(ix.tokens(at, at + length)) == context[len(context) - length :]
+        assert hit["source"] == ix.document_source(hit["document"])
+        assert ix.decode(context[len(context) - length :]) in hit["snippet"]
+
+
+def test_edge_cases(corpus):
+    ix, _ = corpus
+    engine = QueryEngine(ix)
+    empty = engine.longest_match([[]])
+    assert empty.length[0] == 0 and empty.count[0] == ix.num_tokens
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.longest_match([[300]])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        OnlineMatcher(engine).push(-1)
+    unseen = engine.longest_match([[ord("z")]])  # a byte the corpus never holds
+    assert unseen.length[0] == 0
+    separator = ix.manifest["separator"]
+    assert engine.longest_match([[ord("a"), separator]]).length[0] == 0
+
+
+def test_query_cli(corpus):
+    import subprocess
+    import sys
+
+    ix, _ = corpus
+    start = next(a for a, b in map(ix.document_range, range(ix.num_documents)) if b - a > 18)
+    text = ix.decode(ix.tokens(start + 2, start + 17))
+    out = subprocess.run([sys.executable, "-m", "teralm.cli", "query", str(ix.directory), text],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("longest match: 15 of 15 tokens")
+    assert "[doc " in out.stdout
