@@ -60,7 +60,7 @@ class BuildResult:
 
 
 def _index_files(out: Path) -> list[Path]:
-    names = {fmt.MANIFEST, fmt.TOKENIZER, fmt.DOCUMENT_OFFSETS, fmt.CATALOG}
+    names = {fmt.MANIFEST, fmt.TOKENIZER, fmt.DOCUMENT_OFFSETS, fmt.CATALOG, fmt.BUCKETS}
     return [
         p
         for p in out.iterdir()
@@ -219,6 +219,8 @@ def _features_pass(layout: Layout, catalog: Catalog, config: BuildConfig) -> Non
     features.forget_cached_files()
     features.create_sorted_feature_files(layout)
     plan = features.make_plan(layout)
+    buckets = plan.cumulative.astype(fmt.BUCKET_DTYPE)  # for the query engine
+    fmt.write_atomic(Path(layout.directory) / fmt.BUCKETS, buckets)
     jobs = catalog.get("p3/jobs")
     if jobs is None:
         target = min(max(layout.num_tokens // (4 * max(config.workers, 1)), 1 << 12), 1 << 23)
@@ -307,6 +309,7 @@ def _finalize(
         },
         "bytes_per_token": bytes_per_token,
     }
+    manifest["buckets_sha256"] = verify.sha256_file(out / fmt.BUCKETS)
     if manifest["tokenizer"] == "bpe":
         manifest["tokenizer_sha256"] = verify.sha256_file(out / fmt.TOKENIZER)
     fmt.write_atomic(out / fmt.MANIFEST, json.dumps(manifest, indent=1).encode())

@@ -18,7 +18,7 @@ from teralm.build_index.layout import Layout
 from teralm.index import format as fmt
 from teralm.kernels import match as km
 
-BUCKETS = 1 << 16
+BUCKETS = fmt.NUM_BUCKETS
 
 
 @dataclass(frozen=True)

@@ -44,10 +44,7 @@ class Layout:
 
     @property
     def sort_dtype(self) -> np.dtype:
-        """Element type of the sort stream: wide enough for every token and the separator."""
-        if np.dtype(self.token_dtype).itemsize == 1 and self.separator < 256:
-            return np.dtype("u1")
-        return np.dtype("<u2")
+        return fmt.sort_dtype(self.token_dtype, self.separator)
 
     @property
     def elem_bits(self) -> int:

@@ -11,6 +11,8 @@ Layout of an index directory (format version 1):
 - ``shard-XXXXX.match``: ``n`` bytes of match length (bit 7 set when no follower token exists),
   then ``n`` next tokens in the token dtype.
 - ``catalog.lmdb``: documents (start, length, source) and build progress records.
+- ``buckets.u32``: uint32[num_shards, 65537]: where each bucket (the leading 16 bits of the
+  sort key) starts in each shard's ``.prefix``; queries start their binary searches there.
 
 Sort order of ``.prefix``: position ``t`` is keyed by its reversed context ``x[t], x[t-1], ...``
 back to the start of its document, followed by the separator value ``manifest["separator"]``
@@ -33,6 +35,9 @@ MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
 DOCUMENT_OFFSETS = "documents.offsets"
 CATALOG = "catalog.lmdb"
+BUCKETS = "buckets.u32"
+BUCKET_DTYPE = np.dtype("<u4")
+NUM_BUCKETS = 1 << 16
 FILE_KINDS = ("tokens", "prefix", "match")
 
 PREFIX_DTYPE = np.dtype("<u4")
@@ -55,6 +60,13 @@ def token_dtype(vocab_size: int) -> np.dtype:
     if vocab_size <= 65535:
         return np.dtype("<u2")
     raise ValueError(f"vocabulary of {vocab_size} tokens does not fit uint16 (at most 65535)")
+
+
+def sort_dtype(token_dtype, separator: int) -> np.dtype:
+    """Element type of the sort keys: wide enough for every token and the separator."""
+    if np.dtype(token_dtype).itemsize == 1 and separator < 256:
+        return np.dtype("u1")
+    return np.dtype("<u2")
 
 
 def write_atomic(path: Path, data) -> None:

@@ -12,24 +12,25 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
+from numba.typed import List
 from teralm.index import format as fmt
 from teralm.index.reader import Index
 from teralm.kernels import query as kq
 from teralm.kernels.match import _is_doc_start, doc_start_bits
 
-MAX_SUPPORT = 1 << 16
+MAX_SUPPORT = 4096
 SNIPPET = 60
 
 
 @dataclass
 class MatchResult:
     """Per context: ``length`` of the longest suffix that occurs followed by at least one more
-    token of its document, ``count`` of all its occurrences, and ``ranges``: for each context a
-    list of ``(shard, lo, hi)`` rank ranges of those occurrences in the shards' ``.prefix``."""
+    token of its document, ``count`` of all its occurrences, and ``ranges[c, shard]``: the
+    ``(lo, hi)`` rank range of those occurrences in each shard's ``.prefix``."""
 
     length: np.ndarray
     count: np.ndarray
-    ranges: list[list[tuple[int, int, int]]]
+    ranges: np.ndarray
 
 
 @dataclass
@@ -76,90 +77,61 @@ class QueryEngine:
     def doc_bits(self) -> np.ndarray:
         return doc_start_bits(self.index.offsets, self.index.num_tokens)
 
-    def _reversed(self, contexts) -> tuple[np.ndarray, np.ndarray]:
-        """Validated contexts, each reversed and cut where it can no longer match."""
-        vocab = self.index.vocab_size
-        parts = []
-        for c in contexts:
-            c = np.asarray(c, dtype=np.int64).ravel()
-            bad = c[(c < 0) | (c >= vocab)]
-            if len(bad):
-                raise ValueError(f"token {int(bad[0])} is outside the vocabulary 0..{vocab - 1}")
-            r = c[::-1]
-            cut = np.flatnonzero(r == self.separator)  # a value no corpus token takes
-            parts.append(r[: cut[0]] if len(cut) else r)
-        starts = np.cumsum([0] + [len(p) for p in parts]).astype(np.int64)
-        flat = np.concatenate(parts) if parts else np.empty(0, np.int64)
-        return flat, starts
-
-    def _shard_ranges(self, contexts) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        flat, starts = self._reversed(contexts)
-        longest = int(np.diff(starts).max(initial=0))
-        all_ranges, all_reached = [], []
-        for s in self.shards:
-            ranges = np.zeros((len(starts) - 1, longest + 1, 2), dtype=np.int64)
-            reached = kq.match_ranges(
-                s.tokens,
-                s.tail,
-                s.prefix,
-                s.start,
-                s.lowest,
-                self.doc_bits,
-                self.separator,
-                flat,
-                starts,
-                ranges,
-            )
-            all_ranges.append(ranges)
-            all_reached.append(reached)
-        return all_ranges, all_reached
-
-    def _followers(self, k: int, ranks: np.ndarray) -> np.ndarray:
-        s = self.shards[k]
-        return kq.followers(
-            s.tokens,
-            s.nxt,
-            s.prefix,
-            s.start,
-            self.doc_bits,
-            self.index.num_tokens,
-            np.asarray(ranks, dtype=np.int64),
+    @cached_property
+    def _lists(self) -> tuple:
+        """The shards' arrays as numba lists, built once."""
+        return (
+            List([s.tokens for s in self.shards]),
+            List([s.tail for s in self.shards]),
+            List([s.prefix for s in self.shards]),
+            List([s.nxt for s in self.shards]),
+            np.array([s.start for s in self.shards], dtype=np.int64),
+            np.array([s.lowest for s in self.shards], dtype=np.int64),
+            np.fromfile(self.index.directory / fmt.BUCKETS, dtype=fmt.BUCKET_DTYPE).reshape(
+                len(self.shards), fmt.NUM_BUCKETS + 1
+            ),
+            8 * fmt.sort_dtype(self.index.stream.dtype, self.separator).itemsize,
         )
 
-    def _first_follower(self, k: int, lo: int, hi: int) -> tuple[int, int] | None:
-        """(rank, token) of the first entry in ``[lo, hi)`` with a follower; chunks grow 4x."""
-        step = 16
-        while lo < hi:
-            nexts = self._followers(k, np.arange(lo, min(hi, lo + step)))
-            hit = np.flatnonzero(nexts >= 0)
-            if len(hit):
-                return lo + int(hit[0]), int(nexts[hit[0]])
-            lo, step = lo + step, step * 4
-        return None
+    def _flat(self, contexts) -> tuple[np.ndarray, np.ndarray]:
+        """Contexts as one int64 array and their start offsets; tokens outside the vocabulary
+        are an error (a separator value never matches; the kernel cuts there)."""
+        parts = [np.asarray(c, dtype=np.int64).ravel() for c in contexts]
+        starts = np.zeros(len(parts) + 1, dtype=np.int64)
+        np.cumsum([len(p) for p in parts], out=starts[1:])
+        flat = np.concatenate(parts) if parts else np.empty(0, np.int64)
+        vocab = self.index.vocab_size
+        if len(flat) and (flat.min() < 0 or flat.max() >= vocab):
+            bad = flat[(flat < 0) | (flat >= vocab)][0]
+            raise ValueError(f"token {int(bad)} is outside the vocabulary 0..{vocab - 1}")
+        return flat, starts
+
+    def _lookup(self, contexts, need_follower: bool, max_support: int, top_k: int | None):
+        flat, starts = self._flat(contexts)
+        n = len(starts) - 1
+        length, count, witness = (np.zeros(n, dtype=np.int64) for _ in range(3))
+        ranges = np.zeros((n, len(self.shards), 2), dtype=np.int64)
+        dist = kq.lookup(
+            *self._lists,
+            self.doc_bits,
+            self.separator,
+            self.index.num_tokens,
+            self.index.vocab_size,
+            flat,
+            starts,
+            need_follower,
+            max_support,
+            top_k or 0,
+            length,
+            count,
+            ranges,
+            witness,
+        )
+        return MatchResult(length, count, ranges), witness, dist
 
     def longest_match(self, contexts) -> MatchResult:
         """Longest suffix of each context that occurs followed by one more token of its document."""
-        all_ranges, all_reached = self._shard_ranges(contexts)
-        lengths, counts, where = [], [], []
-        for c in range(len(all_reached[0]) if all_reached else 0):
-            level = max(int(r[c]) for r in all_reached)
-            while level > 0:
-                found = [
-                    (k, int(rg[c, level, 0]), int(rg[c, level, 1]))
-                    for k, (rg, r) in enumerate(zip(all_ranges, all_reached))
-                    if r[c] >= level
-                ]
-                if any(self._first_follower(k, lo, hi) for k, lo, hi in found):
-                    break
-                level -= 1
-            if level == 0:
-                found = [(k, 0, len(s.prefix)) for k, s in enumerate(self.shards)]
-            lengths.append(level)
-            counts.append(sum(hi - lo for _, lo, hi in found))
-            where.append(found)
-        return MatchResult(
-            np.array(lengths, dtype=np.int64), np.array(counts, dtype=np.int64), where
-        )
+        return self._lookup(contexts, True, 0, None)[0]
 
     def next_token_distribution(
         self, contexts, top_k: int | None = None, max_support: int = MAX_SUPPORT
@@ -167,23 +139,12 @@ class QueryEngine:
         """Tokens that follow each context's longest match, with counts, most frequent first.
 
         Exact when the match has at most ``max_support`` occurrences. Above that, the counts are
-        estimated from ``max_support`` occurrences spread evenly over the sorted ranges (the same
-        every time), scaled to the total; tokens below the sample's resolution may be missing.
+        estimated from every ``stride``-th occurrence in sorted order (``stride`` = occurrences /
+        ``max_support`` rounded up; the same every time), each counting ``stride``; a token seen
+        fewer than ``stride`` times may be missing.
         """
-        result = []
-        for found in self.longest_match(contexts).ranges:
-            total = sum(hi - lo for _, lo, hi in found)
-            stride = max(1, -(-total // max_support))
-            seen, offset = [], 0
-            for k, lo, hi in found:  # every stride-th occurrence, counted across the ranges
-                seen.append(self._followers(k, np.arange(lo + (-offset) % stride, hi, stride)))
-                offset += hi - lo
-            tokens = np.concatenate(seen) if seen else np.empty(0, np.int64)
-            tokens, counts = np.unique(tokens[tokens >= 0], return_counts=True)
-            counts = counts * stride
-            order = np.lexsort((tokens, -counts))[:top_k]
-            result.append((tokens[order], counts[order]))
-        return result
+        _, _, (offsets, tokens, counts) = self._lookup(contexts, True, max_support, top_k)
+        return [(tokens[a:b], counts[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
 
     def documents(self, context, k: int = 5) -> list[dict]:
         """Up to ``k`` documents containing the context's longest match: attribution."""
@@ -191,7 +152,7 @@ class QueryEngine:
         match = self.longest_match([context])
         length = int(match.length[0])
         hits, seen = [], set()
-        for shard, lo, hi in match.ranges[0]:
+        for shard, (lo, hi) in enumerate(match.ranges[0]):
             for i in range(lo, min(hi, lo + 64 * k)):
                 end = self.shards[shard].start + int(self.shards[shard].prefix[i])
                 doc = int(np.searchsorted(ix.offsets, end, side="right")) - 1
@@ -258,17 +219,8 @@ class OnlineMatcher:
 
     def _search(self) -> tuple[int, int]:
         e = self.engine
-        context = self.text[-self.max_len :]
-        all_ranges, all_reached = e._shard_ranges([context])
-        self.length = max(int(r[0]) for r in all_reached)
-        self.witness = -1
-        if self.length == 0:
-            return 0, e.index.no_token
-        for k, (rg, r) in enumerate(zip(all_ranges, all_reached)):
-            if r[0] < self.length:
-                continue
-            hit = e._first_follower(k, int(rg[0, self.length, 0]), int(rg[0, self.length, 1]))
-            if hit is not None:
-                self.witness = e.shards[k].start + int(e.shards[k].prefix[hit[0]])
-                return self.length, hit[1]
-        return self.length, e.index.no_token
+        match, witness, _ = e._lookup([self.text[-self.max_len :]], False, 0, None)
+        self.length, self.witness = int(match.length[0]), int(witness[0])
+        if self.witness < 0:
+            return self.length, e.index.no_token
+        return self.length, self._follower(self.witness)

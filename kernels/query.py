@@ -24,71 +24,247 @@ def _element(tokens, tail, prefix, shard_start, lowest, doc_bits, separator, i, 
     return np.int64(tokens[k]) if k >= 0 else np.int64(tail[len(tail) + k])
 
 
-@njit(cache=True)
-def narrow(tokens, tail, prefix, shard_start, lowest, doc_bits, separator, lo, hi, j, value):
-    """Sub-range of ranks ``[lo, hi)`` whose key element ``j`` equals ``value``."""
-    a, b = lo, hi
-    while a < b:  # first rank with element >= value
-        m = (a + b) >> 1
-        if _element(tokens, tail, prefix, shard_start, lowest, doc_bits, separator, m, j) < value:
-            a = m + 1
-        else:
-            b = m
-    start = a
-    b = hi
-    while a < b:  # first rank with element > value
-        m = (a + b) >> 1
-        if _element(tokens, tail, prefix, shard_start, lowest, doc_bits, separator, m, j) <= value:
-            a = m + 1
-        else:
-            b = m
-    return start, a
+@njit(cache=True, inline="always")
+def _common(tokens, tail, prefix, start, lowest, doc_bits, separator, i, ctx, end, limit):
+    """(common prefix length with the query, and whether the query sorts before the entry's key)
+    for the entry at rank ``i``. The query is ``ctx[end-limit:end]`` read backwards (the reversed
+    context); a query that is a prefix of the key sorts first."""
+    for j in range(limit):
+        e = _element(tokens, tail, prefix, start, lowest, doc_bits, separator, i, j)
+        v = ctx[end - 1 - j]
+        if e != v:
+            return j, v < e
+    return limit, True
 
 
 @njit(cache=True)
-def match_ranges(
-    tokens,
-    tail,
-    prefix,
+def _shard_range(
+    tokens, tail, prefix, start, lowest, doc_bits, separator, buckets, elem_bits, ctx, end, m
+):
+    """Longest match of the reversed query in this shard: (length, insertion rank).
+
+    The binary search starts inside the query's bucket (its leading 16 bits): ``buckets[b]`` is
+    where bucket ``b`` starts in ``.prefix``.
+    """
+    n = len(prefix)
+    if n == 0:
+        return 0, 0
+    lead, bits = 0, 0
+    while bits < 16 and bits // elem_bits < m:
+        lead = (lead << elem_bits) | ctx[end - 1 - bits // elem_bits]
+        bits += elem_bits
+    lead <<= 16 - bits
+    a, b = np.int64(buckets[lead]), np.int64(buckets[lead + (1 << (16 - bits))])
+    while a < b:  # first rank whose key is >= the query
+        mid = (a + b) >> 1
+        _, before = _common(
+            tokens, tail, prefix, start, lowest, doc_bits, separator, mid, ctx, end, m
+        )
+        if before:
+            b = mid
+        else:
+            a = mid + 1
+    length = 0
+    if a < n:
+        length = _common(tokens, tail, prefix, start, lowest, doc_bits, separator, a, ctx, end, m)[
+            0
+        ]
+    if a > 0:
+        left = _common(
+            tokens, tail, prefix, start, lowest, doc_bits, separator, a - 1, ctx, end, m
+        )[0]
+        length = max(length, left)
+    return length, a
+
+
+@njit(cache=True)
+def _expand(tokens, tail, prefix, start, lowest, doc_bits, separator, ctx, end, length, at):
+    """All ranks sharing ``length`` elements with the query, around its insertion point ``at``
+    (the caller knows that block is not empty): gallop outwards, then binary search."""
+    n = len(prefix)
+    if length == 0:
+        return 0, n
+
+    def shares(i):
+        got = _common(tokens, tail, prefix, start, lowest, doc_bits, separator, i, ctx, end, length)
+        return got[0] == length
+
+    k = at if at < n and shares(at) else at - 1
+    lo, step = k, 1
+    while lo - step >= 0 and shares(lo - step):
+        lo -= step
+        step *= 2
+    a = max(lo - step + 1, 0)
+    while a < lo:
+        mid = (a + lo) >> 1
+        if shares(mid):
+            lo = mid
+        else:
+            a = mid + 1
+    hi, step = k + 1, 1
+    while hi + step - 1 < n and shares(hi + step - 1):
+        hi += step
+        step *= 2
+    b = min(hi + step - 1, n)
+    while hi < b:
+        mid = (hi + b) >> 1
+        if shares(mid):
+            hi = mid + 1
+        else:
+            b = mid
+    return lo, hi
+
+
+@njit(cache=True, inline="always")
+def _follower_of(tokens, nxt, prefix, start, doc_bits, n_total, i):
+    q = np.int64(prefix[i])
+    p = start + q
+    if p + 1 >= n_total or _is_doc_start(doc_bits, p + 1):
+        return -1
+    return np.int64(tokens[q + 1]) if q + 1 < len(tokens) else np.int64(nxt[0])
+
+
+@njit(cache=True)
+def lookup(
+    shard_tokens,
+    shard_tails,
+    shard_prefix,
+    shard_next,
     shard_start,
-    lowest,
+    shard_lowest,
+    shard_buckets,
+    elem_bits,
     doc_bits,
     separator,
-    reversed_contexts,
-    starts,
-    ranges,
+    n_total,
+    vocab,
+    ctx,
+    ctx_starts,
+    need_follower,
+    max_support,
+    top_k,
+    out_len,
+    out_count,
+    out_ranges,
+    out_witness,
 ):
-    """For each context (reversed, concatenated; ``starts`` delimit them) fill ``ranges[c, l]``
-    with the rank range of its length-``l`` suffix, as far as it occurs. Returns lengths."""
-    count = len(starts) - 1
-    reached = np.zeros(count, dtype=np.int64)
-    for c in range(count):
-        lo, hi = np.int64(0), np.int64(len(prefix))
-        ranges[c, 0, 0] = lo
-        ranges[c, 0, 1] = hi
-        for j in range(starts[c + 1] - starts[c]):
-            value = reversed_contexts[starts[c] + j]
-            lo, hi = narrow(
-                tokens, tail, prefix, shard_start, lowest, doc_bits, separator, lo, hi, j, value
+    """Longest match, its occurrences and next-token counts for a batch of contexts
+    (``ctx[ctx_starts[c]:ctx_starts[c+1]]``; only the part after a separator value can match).
+
+    ``need_follower``: the match must have an occurrence with a next token in its document (the
+    ∞-gram's rule); else any occurrence counts (the online features' rule). Counts are exact up
+    to ``max_support`` occurrences, else every stride-th occurrence counts ``stride`` times.
+    Returns (offsets, tokens, counts) of the distributions, most frequent first, ``top_k`` each
+    (all if ``top_k <= 0``); ``out_witness`` gets one occurrence with a follower (or -1).
+    """
+    shards = len(shard_prefix)
+    contexts = len(ctx_starts) - 1
+    found = np.zeros((shards, 2), dtype=np.int64)  # (length, insertion point)
+    tally = np.zeros(vocab, dtype=np.int64)
+    seen = np.empty(vocab, dtype=np.int64)
+    offsets = np.zeros(contexts + 1, dtype=np.int64)
+    cap = max(16, contexts * 8)
+    tokens_out = np.empty(cap, dtype=np.int64)
+    counts_out = np.empty(cap, dtype=np.int64)
+    for c in range(contexts):
+        end, m = ctx_starts[c + 1], 0
+        while m < end - ctx_starts[c] and ctx[end - 1 - m] != separator:
+            m += 1
+        best = 0
+        for k in range(shards):
+            length, at = _shard_range(
+                shard_tokens[k],
+                shard_tails[k],
+                shard_prefix[k],
+                shard_start[k],
+                shard_lowest[k],
+                doc_bits,
+                separator,
+                shard_buckets[k],
+                elem_bits,
+                ctx,
+                end,
+                m,
             )
-            if lo == hi:
+            found[k, 0], found[k, 1] = length, at
+            best = max(best, length)
+        witness = -1
+        while True:
+            total = 0
+            for k in range(shards):
+                if found[k, 0] >= best and len(shard_prefix[k]):
+                    lo, hi = _expand(
+                        shard_tokens[k],
+                        shard_tails[k],
+                        shard_prefix[k],
+                        shard_start[k],
+                        shard_lowest[k],
+                        doc_bits,
+                        separator,
+                        ctx,
+                        end,
+                        best,
+                        found[k, 1],
+                    )
+                else:
+                    lo, hi = 0, 0
+                out_ranges[c, k, 0], out_ranges[c, k, 1] = lo, hi
+                total += hi - lo
+                for i in range(lo, hi):
+                    if witness >= 0:
+                        break
+                    if (
+                        _follower_of(
+                            shard_tokens[k],
+                            shard_next[k],
+                            shard_prefix[k],
+                            shard_start[k],
+                            doc_bits,
+                            n_total,
+                            i,
+                        )
+                        >= 0
+                    ):
+                        witness = shard_start[k] + np.int64(shard_prefix[k][i])
+            if witness >= 0 or not need_follower or best == 0:
                 break
-            ranges[c, j + 1, 0] = lo
-            ranges[c, j + 1, 1] = hi
-            reached[c] = j + 1
-    return reached
-
-
-@njit(cache=True)
-def followers(tokens, nxt, prefix, shard_start, doc_bits, n_total, ranks):
-    """Tokens that follow the entries at ``ranks`` in their documents (-1: none)."""
-    n = len(tokens)
-    out = np.empty(len(ranks), dtype=np.int64)
-    for i in range(len(ranks)):
-        q = np.int64(prefix[ranks[i]])
-        p = shard_start + q
-        if p + 1 < n_total and not _is_doc_start(doc_bits, p + 1):
-            out[i] = tokens[q + 1] if q + 1 < n else nxt[0]
-        else:
-            out[i] = -1
-    return out
+            best -= 1
+        out_len[c], out_count[c], out_witness[c] = best, total, witness
+        # next-token counts over the occurrences (every stride-th one past max_support)
+        stride = max(1, (total + max_support - 1) // max_support) if max_support > 0 else 0
+        distinct = 0
+        passed = 0
+        for k in range(shards if stride else 0):
+            lo, hi = out_ranges[c, k, 0], out_ranges[c, k, 1]
+            i = lo + (-passed) % stride
+            while i < hi:
+                f = _follower_of(
+                    shard_tokens[k],
+                    shard_next[k],
+                    shard_prefix[k],
+                    shard_start[k],
+                    doc_bits,
+                    n_total,
+                    i,
+                )
+                if f >= 0:
+                    if tally[f] == 0:
+                        seen[distinct] = f
+                        distinct += 1
+                    tally[f] += stride
+                i += stride
+            passed += hi - lo
+        order = np.argsort(-tally[seen[:distinct]] * (vocab + 1) + seen[:distinct])
+        keep = distinct if top_k <= 0 else min(top_k, distinct)
+        if offsets[c] + keep > cap:
+            cap = max(2 * cap, offsets[c] + keep)
+            tokens_out = np.concatenate((tokens_out, np.empty(cap - len(tokens_out), np.int64)))
+            counts_out = np.concatenate((counts_out, np.empty(cap - len(counts_out), np.int64)))
+        for j in range(keep):
+            f = seen[order[j]]
+            tokens_out[offsets[c] + j] = f
+            counts_out[offsets[c] + j] = tally[f]
+        offsets[c + 1] = offsets[c] + keep
+        for j in range(distinct):
+            tally[seen[j]] = 0
+    return offsets, tokens_out[: offsets[contexts]], counts_out[: offsets[contexts]]

@@ -7,18 +7,20 @@ from collections import Counter
 import numpy as np
 import pytest
 from conftest import build_docs, random_documents
-from test_features import doc_ids_of
-
 from teralm.index.query import OnlineMatcher, QueryEngine
+from test_features import doc_ids_of
 
 
 def occurrences(x, doc_ids, suffix) -> list[int]:
-    """End positions p with x[p-l+1..p] == suffix inside one document."""
-    n, l = len(x), len(suffix)
-    if l == 0:
+    """End positions p with x[p-k+1..p] == suffix (k tokens) inside one document."""
+    n, k = len(x), len(suffix)
+    if k == 0:
         return list(range(n))
-    return [p for p in range(l - 1, n)
-            if doc_ids[p - l + 1] == doc_ids[p] and list(x[p - l + 1 : p + 1]) == list(suffix)]
+    return [
+        p
+        for p in range(k - 1, n)
+        if doc_ids[p - k + 1] == doc_ids[p] and list(x[p - k + 1 : p + 1]) == list(suffix)
+    ]
 
 
 def has_follower(doc_ids, p) -> bool:
@@ -26,11 +28,11 @@ def has_follower(doc_ids, p) -> bool:
 
 
 def brute_longest(x, doc_ids, context):
-    for l in range(len(context), -1, -1):
-        ends = occurrences(x, doc_ids, context[len(context) - l :])
+    for size in range(len(context), -1, -1):
+        ends = occurrences(x, doc_ids, context[len(context) - size :])
         nexts = Counter(int(x[p + 1]) for p in ends if has_follower(doc_ids, p))
         if nexts:
-            return l, len(ends), nexts
+            return size, len(ends), nexts
     return 0, len(x), Counter()
 
 
@@ -42,7 +44,9 @@ def random_contexts(rng, x, count):
             piece = list(x[a : a + int(rng.integers(1, 30))])
         else:
             piece = []
-        contexts.append([int(t) for t in rng.integers(97, 100, size=int(rng.integers(0, 6)))] + piece)
+        contexts.append(
+            [int(t) for t in rng.integers(97, 100, size=int(rng.integers(0, 6)))] + piece
+        )
     return contexts
 
 
@@ -78,8 +82,10 @@ def test_sharded_equals_unsharded(tmp_path):
     a, b = one.longest_match(contexts), many.longest_match(contexts)
     np.testing.assert_array_equal(a.length, b.length)
     np.testing.assert_array_equal(a.count, b.count)
-    for (ta, ca), (tb, cb) in zip(one.next_token_distribution(contexts, top_k=3),
-                                  many.next_token_distribution(contexts, top_k=3)):
+    for (ta, ca), (tb, cb) in zip(
+        one.next_token_distribution(contexts, top_k=3),
+        many.next_token_distribution(contexts, top_k=3),
+    ):
         np.testing.assert_array_equal(ta, tb)
         np.testing.assert_array_equal(ca, cb)
 
@@ -95,8 +101,11 @@ def test_online_matcher_equals_brute_force_step_by_step(corpus):
         for i, token in enumerate(text):
             length, nxt = matcher.push(token)
             prefix = text[: i + 1]
-            want = max(l for l in range(min(12, len(prefix)) + 1)
-                       if occurrences(x, doc_ids, prefix[len(prefix) - l :]))
+            want = max(
+                k
+                for k in range(min(12, len(prefix)) + 1)
+                if occurrences(x, doc_ids, prefix[len(prefix) - k :])
+            )
             assert length == want, (prefix, length, want)
             ends = occurrences(x, doc_ids, prefix[len(prefix) - want :]) if want else []
             valid = {int(x[p + 1]) for p in ends if has_follower(doc_ids, p)}
@@ -152,8 +161,23 @@ def test_query_cli(corpus):
     ix, _ = corpus
     start = next(a for a, b in map(ix.document_range, range(ix.num_documents)) if b - a > 18)
     text = ix.decode(ix.tokens(start + 2, start + 17))
-    out = subprocess.run([sys.executable, "-m", "teralm.cli", "query", str(ix.directory), text],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "teralm.cli", "query", str(ix.directory), text],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("longest match: 15 of 15 tokens")
     assert "[doc " in out.stdout
+
+
+def test_large_ranges_are_sampled_deterministically(corpus):
+    ix, _ = corpus
+    engine = QueryEngine(ix)
+    exact = dict(zip(*(a.tolist() for a in engine.next_token_distribution([[]])[0])))
+    tokens, counts = engine.next_token_distribution([[]], max_support=10)[0]
+    stride = -(-ix.num_tokens // 10)
+    assert all(c % stride == 0 for c in counts) and set(tokens.tolist()) <= set(exact)
+    again = engine.next_token_distribution([[]], max_support=10)[0]
+    assert tokens.tolist() == again[0].tolist() and counts.tolist() == again[1].tolist()

@@ -1,0 +1,249 @@
+"""Query benchmark: longest match + next-token distribution on the pydocs byte index (training
+documents only, id % 50 != 0), against infini-gram's engine and tokengrams on the same bytes.
+
+    pip install -e '.[bench]'
+    python benchmarks/bench_query.py [--contexts 10000] [--no-peers]
+
+Contexts: 32 tokens from held-out documents (id % 50 == 0), and 32 random tokens drawn uniformly
+from the byte values the corpus uses. Prints a table, writes benchmarks/results/bench_query.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from common import CACHE, SHARED_DATA, save, table
+
+PYDOCS = SHARED_DATA / "pydocs.jsonl.gz"
+WORK = CACHE / "query"
+CONTEXT = 32
+
+
+def split_pydocs() -> tuple[Path, list[bytes]]:
+    """Training documents as JSONL (in a folder of their own), held-out texts in memory."""
+    if not PYDOCS.exists():
+        sys.exit(f"{PYDOCS} not found: the benchmark reads the team's shared data folder")
+    train = WORK / "data" / "train.jsonl"
+    train.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(PYDOCS, "rt") as f:
+        docs = [json.loads(line) for line in f]
+    if not train.exists():  # written once: the index build checks its source is unchanged
+        with open(train.with_suffix(".part"), "w") as out:
+            for doc in docs:
+                if doc["id"] % 50:
+                    out.write(json.dumps({"text": doc["text"]}) + "\n")
+        os.replace(train.with_suffix(".part"), train)
+    return train, [d["text"].encode() for d in docs if d["id"] % 50 == 0]
+
+
+def make_contexts(held: list[bytes], vocab: np.ndarray, n: int, rng) -> dict[str, list[np.ndarray]]:
+    long_docs = [np.frombuffer(d, np.uint8) for d in held if len(d) > CONTEXT]
+    heldout = []
+    for _ in range(n):
+        d = long_docs[int(rng.integers(len(long_docs)))]
+        a = int(rng.integers(0, len(d) - CONTEXT))
+        heldout.append(d[a : a + CONTEXT].astype(np.int64))
+    random = [rng.choice(vocab, size=CONTEXT).astype(np.int64) for _ in range(n)]
+    return {"held-out": heldout, "random": random}
+
+
+def latency(fn, contexts) -> dict:
+    """Per-call latency of ``fn([context])`` and batched throughput of ``fn(contexts)``."""
+    times = []
+    for c in contexts:
+        t = time.perf_counter()
+        fn([c])
+        times.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    fn(contexts)
+    batch = time.perf_counter() - t
+    times = np.array(times) * 1e6
+    return {
+        "p50_us": float(np.percentile(times, 50)),
+        "p99_us": float(np.percentile(times, 99)),
+        "batched_per_s": len(contexts) / batch,
+    }
+
+
+def teralm_runner(index_dir: Path):
+    from teralm.index import Index
+    from teralm.index.query import QueryEngine
+
+    engine = QueryEngine(Index.open(index_dir))
+    engine.next_token_distribution([[1, 2, 3]])  # compile / warm up
+    return engine, engine.next_token_distribution
+
+
+PEER_SCRIPT = r"""
+import json, sys, time
+import numpy as np
+tool, index_dir, contexts_path = sys.argv[1:4]
+contexts = [list(map(int, c)) for c in np.load(contexts_path)]
+if tool == "infini-gram":
+    from infini_gram.engine import InfiniGramEngine
+    eng = InfiniGramEngine(index_dir=index_dir, eos_token_id=0, vocab_size=255, version=4,
+                           token_dtype="u8")
+    def run(batch):
+        return [eng.infgram_ntd(c, max_support=1000) for c in batch]
+else:
+    from tokengrams import MemmapIndex
+    idx = MemmapIndex(index_dir + "/tokens.u16", index_dir + "/index.idx", vocab=256)
+    def longest(c):
+        lo, hi = 0, len(c)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if idx.contains(c[len(c) - mid:]): lo = mid
+            else: hi = mid - 1
+        return c[len(c) - lo:]
+    def run(batch):
+        return idx.batch_count_next([longest(c) for c in batch])
+run(contexts[:10])
+times = []
+for c in contexts:
+    t = time.perf_counter(); run([c]); times.append(time.perf_counter() - t)
+t = time.perf_counter(); run(contexts); batch = time.perf_counter() - t
+times = np.array(times) * 1e6
+print(json.dumps({"p50_us": float(np.percentile(times, 50)), "p99_us": float(np.percentile(times, 99)),
+                  "batched_per_s": len(contexts) / batch}))
+"""
+
+
+def build_peers(train: Path) -> dict[str, Path]:
+    """infini-gram and tokengrams indexes of the same training bytes (built once, cached)."""
+    import resource
+
+    dirs = {"infini-gram": WORK / "infini-gram-index", "tokengrams": WORK / "tokengrams-index"}
+    if not (dirs["infini-gram"] / "table.0").exists():
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "infini_gram.indexing",
+                "--data_dir",
+                str(train.parent.resolve()),
+                "--save_dir",
+                str(dirs["infini-gram"].resolve()),
+                "--token_dtype",
+                "u8",
+                "--cpus",
+                "2",
+                "--mem",
+                "8",
+                "--ulimit",
+                str(hard),
+            ],
+            check=True,
+            capture_output=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+    tg = dirs["tokengrams"]
+    if not (tg / "index.idx").exists():
+        tg.mkdir(parents=True, exist_ok=True)
+        with open(train) as f:
+            data = b"".join(json.loads(line)["text"].encode() for line in f)
+        np.frombuffer(data, np.uint8).astype(np.uint16).tofile(tg / "tokens.u16")
+        code = (
+            "from tokengrams import MemmapIndex; MemmapIndex.build("
+            f"{str(tg / 'tokens.u16')!r}, {str(tg / 'index.idx')!r}, vocab=256, verbose=False)"
+        )
+        subprocess.run([sys.executable, "-c", code], check=True)
+    return dirs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", type=int, default=10_000)
+    parser.add_argument("--online-tokens", type=int, default=200_000)
+    parser.add_argument("--no-peers", action="store_true")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    train, held = split_pydocs()
+    index_dir = WORK / "teralm-index"
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "teralm.cli",
+            "build-index",
+            str(train),
+            "--out",
+            str(index_dir),
+            "--quiet",
+            "--force",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if built.returncode:
+        sys.exit(built.stderr)
+    engine, teralm_query = teralm_runner(index_dir)
+    used = np.flatnonzero(
+        np.bincount(engine.index.tokens(0, engine.index.num_tokens), minlength=256)
+    )
+    sets = make_contexts(held, used, args.contexts, rng)
+    peers = {} if args.no_peers else build_peers(train)
+
+    rows = []
+    for name, contexts in sets.items():
+        match = engine.longest_match(contexts)
+        rows.append(
+            {
+                "tool": "teralm",
+                "contexts": name,
+                **latency(teralm_query, contexts),
+                "mean_match": float(match.length.mean()),
+            }
+        )
+        for tool, directory in peers.items():
+            path = WORK / f"contexts-{name}.npy"
+            np.save(path, np.stack(contexts))
+            out = subprocess.run(
+                [sys.executable, "-c", PEER_SCRIPT, tool, str(directory), str(path)],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            )
+            result = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {}
+            rows.append({"tool": tool, "contexts": name, **result})
+
+    from teralm.index.query import OnlineMatcher
+
+    text = np.concatenate([np.frombuffer(d, np.uint8) for d in held])[: args.online_tokens]
+    matcher = OnlineMatcher(engine)
+    t = time.perf_counter()
+    for token in text:
+        matcher.push(int(token))
+    online_us = (time.perf_counter() - t) / len(text) * 1e6
+
+    print(
+        f"pydocs training bytes: {engine.index.num_tokens:,} tokens; {args.contexts:,} contexts "
+        f"of {CONTEXT} tokens per set; 1 process"
+    )
+    print(
+        table(
+            rows,
+            [
+                ("tool", "tool", "s"),
+                ("contexts", "contexts", "s"),
+                ("p50_us", "p50 µs", ".1f"),
+                ("p99_us", "p99 µs", ".1f"),
+                ("batched_per_s", "batched ctx/s", ",.0f"),
+                ("mean_match", "mean match", ".1f"),
+            ],
+        )
+    )
+    print(f"OnlineMatcher: {online_us:.1f} µs per token over {len(text):,} held-out tokens")
+    print(f"wrote {save('bench_query', {'rows': rows, 'online_us_per_token': online_us})}")
+
+
+if __name__ == "__main__":
+    main()
