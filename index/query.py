@@ -93,25 +93,18 @@ class QueryEngine:
             8 * fmt.sort_dtype(self.index.stream.dtype, self.separator).itemsize,
         )
 
-    def _flat(self, contexts) -> tuple[np.ndarray, np.ndarray]:
-        """Contexts as one int64 array and their start offsets; tokens outside the vocabulary
-        are an error (a separator value never matches; the kernel cuts there)."""
-        parts = [np.asarray(c, dtype=np.int64).ravel() for c in contexts]
-        starts = np.zeros(len(parts) + 1, dtype=np.int64)
-        np.cumsum([len(p) for p in parts], out=starts[1:])
-        flat = np.concatenate(parts) if parts else np.empty(0, np.int64)
-        vocab = self.index.vocab_size
-        if len(flat) and (flat.min() < 0 or flat.max() >= vocab):
-            bad = flat[(flat < 0) | (flat >= vocab)][0]
-            raise ValueError(f"token {int(bad)} is outside the vocabulary 0..{vocab - 1}")
-        return flat, starts
-
     def _lookup(self, contexts, need_follower: bool, max_support: int, top_k: int | None):
-        flat, starts = self._flat(contexts)
-        n = len(starts) - 1
-        length, count, witness = (np.zeros(n, dtype=np.int64) for _ in range(3))
-        ranges = np.zeros((n, len(self.shards), 2), dtype=np.int64)
-        dist = kq.lookup(
+        """Run the lookup kernel on a batch (a list of token sequences or a 2-D array)."""
+        if isinstance(contexts, np.ndarray) and contexts.ndim == 2:
+            flat = contexts.astype(np.int64).ravel()
+            starts = np.arange(0, flat.size + 1, max(contexts.shape[1], 1), dtype=np.int64)
+            starts = starts[: len(contexts) + 1]
+        else:
+            parts = [np.asarray(c, dtype=np.int64).ravel() for c in contexts]
+            starts = np.zeros(len(parts) + 1, dtype=np.int64)
+            np.cumsum([len(p) for p in parts], out=starts[1:])
+            flat = np.concatenate(parts) if parts else np.empty(0, np.int64)
+        *match, witness, offsets, tokens, counts, bad = kq.lookup(
             *self._lists,
             self.doc_bits,
             self.separator,
@@ -122,12 +115,11 @@ class QueryEngine:
             need_follower,
             max_support,
             top_k or 0,
-            length,
-            count,
-            ranges,
-            witness,
         )
-        return MatchResult(length, count, ranges), witness, dist
+        if bad >= 0:
+            vocab = self.index.vocab_size
+            raise ValueError(f"token {int(flat[bad])} is outside the vocabulary 0..{vocab - 1}")
+        return MatchResult(*match), witness, (offsets, tokens, counts)
 
     def longest_match(self, contexts) -> MatchResult:
         """Longest suffix of each context that occurs followed by one more token of its document."""
@@ -138,7 +130,8 @@ class QueryEngine:
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Tokens that follow each context's longest match, with counts, most frequent first.
 
-        Exact when the match has at most ``max_support`` occurrences. Above that, the counts are
+        Exact when the match has at most ``max_support`` occurrences, and for one-byte matches
+        of a byte-level index (read off the bucket table). Otherwise, above that, the counts are
         estimated from every ``stride``-th occurrence in sorted order (``stride`` = occurrences /
         ``max_support`` rounded up; the same every time), each counting ``stride``; a token seen
         fewer than ``stride`` times may be missing.

@@ -1,27 +1,17 @@
 """Query kernels: search a shard's ``.prefix`` order (positions sorted by reversed context).
 
 Key element ``j`` of position ``p`` is ``x[p-j]`` while that lies inside the document and no more
-than ``overlap`` tokens before the shard, then the separator. Entries whose first ``j`` elements
-equal a query's are a contiguous range; element ``j`` is sorted within it, so each longer suffix of
-the query narrows the range by two binary searches.
+than ``overlap`` tokens before the shard, then the separator. A query (a context read backwards)
+is looked up by one binary search for its insertion point; the entries sharing most elements with
+it sit next to that point, and those sharing ``l`` elements form a block around it, found by
+galloping outwards.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
-from teralm.kernels.match import _is_doc_start
-
-
-@njit(cache=True, inline="always")
-def _element(tokens, tail, prefix, shard_start, lowest, doc_bits, separator, i, j):
-    """Key element ``j`` of the entry at rank ``i`` (its first ``j`` elements are real tokens)."""
-    q = np.int64(prefix[i])
-    p = shard_start + q
-    if j > 0 and (_is_doc_start(doc_bits, p - j + 1) or p - j < lowest):
-        return separator
-    k = q - j
-    return np.int64(tokens[k]) if k >= 0 else np.int64(tail[len(tail) + k])
+from teralm.kernels.match import _doc_depth, _is_doc_start
 
 
 @njit(cache=True, inline="always")
@@ -29,9 +19,15 @@ def _common(tokens, tail, prefix, start, lowest, doc_bits, separator, i, ctx, en
     """(common prefix length with the query, and whether the query sorts before the entry's key)
     for the entry at rank ``i``. The query is ``ctx[end-limit:end]`` read backwards (the reversed
     context); a query that is a prefix of the key sorts first."""
+    q = np.int64(prefix[i])
+    p = start + q
+    real = min(_doc_depth(doc_bits, p, max(limit, 1)), p - lowest + 1)
     for j in range(limit):
-        e = _element(tokens, tail, prefix, start, lowest, doc_bits, separator, i, j)
         v = ctx[end - 1 - j]
+        if j >= real:
+            return j, v < separator
+        k = q - j
+        e = np.int64(tokens[k]) if k >= 0 else np.int64(tail[len(tail) + k])
         if e != v:
             return j, v < e
     return limit, True
@@ -143,10 +139,6 @@ def lookup(
     need_follower,
     max_support,
     top_k,
-    out_len,
-    out_count,
-    out_ranges,
-    out_witness,
 ):
     """Longest match, its occurrences and next-token counts for a batch of contexts
     (``ctx[ctx_starts[c]:ctx_starts[c+1]]``; only the part after a separator value can match).
@@ -154,11 +146,21 @@ def lookup(
     ``need_follower``: the match must have an occurrence with a next token in its document (the
     ∞-gram's rule); else any occurrence counts (the online features' rule). Counts are exact up
     to ``max_support`` occurrences, else every stride-th occurrence counts ``stride`` times.
-    Returns (offsets, tokens, counts) of the distributions, most frequent first, ``top_k`` each
-    (all if ``top_k <= 0``); ``out_witness`` gets one occurrence with a follower (or -1).
+    Returns per context the match length, its occurrence count, its rank range in every shard
+    and one occurrence with a follower (or -1); then the distributions as (offsets, tokens,
+    counts), most frequent first, ``top_k`` each (all if ``top_k <= 0``); and the index of the
+    first token outside the vocabulary (-1 if none; then nothing else is computed).
     """
     shards = len(shard_prefix)
     contexts = len(ctx_starts) - 1
+    out_len = np.zeros(contexts, dtype=np.int64)
+    out_count = np.zeros(contexts, dtype=np.int64)
+    out_witness = np.full(contexts, -1, dtype=np.int64)
+    out_ranges = np.zeros((contexts, shards, 2), dtype=np.int64)
+    for i in range(len(ctx)):
+        if ctx[i] < 0 or ctx[i] >= vocab:
+            empty = np.empty(0, dtype=np.int64)
+            return out_len, out_count, out_ranges, out_witness, out_len, empty, empty, i
     found = np.zeros((shards, 2), dtype=np.int64)  # (length, insertion point)
     tally = np.zeros(vocab, dtype=np.int64)
     seen = np.empty(vocab, dtype=np.int64)
@@ -234,6 +236,17 @@ def lookup(
         stride = max(1, (total + max_support - 1) // max_support) if max_support > 0 else 0
         distinct = 0
         passed = 0
+        if stride > 1 and best == 1 and elem_bits == 8:
+            # a one-byte match: bucket (f, a) counts exactly the bytes f that follow byte a
+            a = ctx[end - 1]
+            for f in range(vocab):
+                b = (f << 8) | a
+                for k in range(shards):
+                    tally[f] += np.int64(shard_buckets[k][b + 1]) - np.int64(shard_buckets[k][b])
+                if tally[f]:
+                    seen[distinct] = f
+                    distinct += 1
+            stride = 0
         for k in range(shards if stride else 0):
             lo, hi = out_ranges[c, k, 0], out_ranges[c, k, 1]
             i = lo + (-passed) % stride
@@ -267,4 +280,14 @@ def lookup(
         offsets[c + 1] = offsets[c] + keep
         for j in range(distinct):
             tally[seen[j]] = 0
-    return offsets, tokens_out[: offsets[contexts]], counts_out[: offsets[contexts]]
+    n_out = offsets[contexts]
+    return (
+        out_len,
+        out_count,
+        out_ranges,
+        out_witness,
+        offsets,
+        tokens_out[:n_out],
+        counts_out[:n_out],
+        -1,
+    )

@@ -181,3 +181,14 @@ def test_large_ranges_are_sampled_deterministically(corpus):
     assert all(c % stride == 0 for c in counts) and set(tokens.tolist()) <= set(exact)
     again = engine.next_token_distribution([[]], max_support=10)[0]
     assert tokens.tolist() == again[0].tolist() and counts.tolist() == again[1].tolist()
+
+
+def test_one_byte_matches_are_exact_past_max_support(corpus):
+    ix, _ = corpus
+    engine = QueryEngine(ix)
+    context = [ord("a")]
+    exact = engine.next_token_distribution([context])
+    table = engine.next_token_distribution([context], max_support=2)
+    assert engine.longest_match([context]).count[0] > 2
+    for (ta, ca), (tb, cb) in zip(exact, table):
+        assert ta.tolist() == tb.tolist() and ca.tolist() == cb.tolist()
