@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
-from numba.typed import List
 from teralm.index import format as fmt
 from teralm.index.reader import Index
 from teralm.kernels import query as kq
@@ -79,12 +78,12 @@ class QueryEngine:
 
     @cached_property
     def _lists(self) -> tuple:
-        """The shards' arrays as numba lists, built once."""
+        """The shards' arrays as tuples (cheap to pass to numba, unlike lists), built once."""
         return (
-            List([s.tokens for s in self.shards]),
-            List([s.tail for s in self.shards]),
-            List([s.prefix for s in self.shards]),
-            List([s.nxt for s in self.shards]),
+            tuple(np.asarray(s.tokens) for s in self.shards),
+            tuple(np.ascontiguousarray(s.tail) for s in self.shards),
+            tuple(np.asarray(s.prefix) for s in self.shards),
+            tuple(np.ascontiguousarray(s.nxt) for s in self.shards),
             np.array([s.start for s in self.shards], dtype=np.int64),
             np.array([s.lowest for s in self.shards], dtype=np.int64),
             np.fromfile(self.index.directory / fmt.BUCKETS, dtype=fmt.BUCKET_DTYPE).reshape(

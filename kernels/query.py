@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit
-from teralm.kernels.match import _doc_depth, _is_doc_start
+from teralm.kernels.match import PREFETCH, _doc_depth, _is_doc_start
 
 
 @njit(cache=True, inline="always")
@@ -118,6 +118,12 @@ def _follower_of(tokens, nxt, prefix, start, doc_bits, n_total, i):
     if p + 1 >= n_total or _is_doc_start(doc_bits, p + 1):
         return -1
     return np.int64(tokens[q + 1]) if q + 1 < len(tokens) else np.int64(nxt[0])
+
+
+@njit(cache=True)
+def _failed(contexts):
+    empty = np.empty(0, dtype=np.int64)
+    return (empty, empty, np.empty((0, 0, 2), dtype=np.int64), empty, empty, empty, empty, -2)
 
 
 @njit(cache=True)
@@ -249,23 +255,26 @@ def lookup(
             stride = 0
         for k in range(shards if stride else 0):
             lo, hi = out_ranges[c, k, 0], out_ranges[c, k, 1]
+            tokens, prefix, first = shard_tokens[k], shard_prefix[k], shard_start[k]
             i = lo + (-passed) % stride
             while i < hi:
-                f = _follower_of(
-                    shard_tokens[k],
-                    shard_next[k],
-                    shard_prefix[k],
-                    shard_start[k],
-                    doc_bits,
-                    n_total,
-                    i,
-                )
-                if f >= 0:
-                    if tally[f] == 0:
-                        seen[distinct] = f
-                        distinct += 1
-                    tally[f] += stride
-                i += stride
+                # touch a block's memory first so that its cache misses overlap
+                block_end = min(hi, i + PREFETCH * stride)
+                touched = 0
+                for t in range(i, block_end, stride):
+                    q = np.int64(prefix[t])
+                    touched += tokens[min(q + 1, len(tokens) - 1)]
+                    touched += np.int64(doc_bits[(first + q + 1) >> 6] & np.uint64(1))
+                if touched < 0:  # never: it only keeps the loads alive
+                    return _failed(contexts)
+                for t in range(i, block_end, stride):
+                    f = _follower_of(tokens, shard_next[k], prefix, first, doc_bits, n_total, t)
+                    if f >= 0:
+                        if tally[f] == 0:
+                            seen[distinct] = f
+                            distinct += 1
+                        tally[f] += stride
+                i = block_end + (i - block_end) % stride
             passed += hi - lo
         order = np.argsort(-tally[seen[:distinct]] * (vocab + 1) + seen[:distinct])
         keep = distinct if top_k <= 0 else min(top_k, distinct)
