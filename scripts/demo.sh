@@ -25,3 +25,6 @@ for a in range(0, hi - lo, 60):
 print(f"\n{right.mean():.0%} of these bytes were named by the index; mean match length "
       f"{f.match_len.mean():.1f} bytes")
 PY
+echo
+echo "teralm query runs/stdlib-index 'def __init__(self, '"
+teralm query runs/stdlib-index "def __init__(self, "

@@ -92,7 +92,7 @@ def _run_build(args: argparse.Namespace, prog: str) -> int:
 
 def _run_verify(args: argparse.Namespace) -> int:
     from teralm.build_index.layout import Layout
-    from teralm.build_index.verify import check_checksums, verify
+    from teralm.build_index.verify import check_checksums, sha256_file, verify
     from teralm.index import format as fmt
 
     try:
@@ -101,6 +101,11 @@ def _run_verify(args: argparse.Namespace) -> int:
         return _fail("teralm verify-index", str(e))
     layout = Layout.from_manifest(args.index, m)
     problems = [] if args.no_checksums else check_checksums(layout, m["shards"], not args.quiet)
+    buckets = args.index / fmt.BUCKETS
+    if not args.no_checksums and (
+        not buckets.exists() or sha256_file(buckets) != m.get("buckets_sha256")
+    ):
+        problems.append(f"{fmt.BUCKETS}: missing or checksum differs from the manifest")
     try:
         problems += verify(layout, args.samples, args.seed)
     except (OSError, ValueError) as e:  # a missing or truncated file
