@@ -36,15 +36,8 @@ def _doc_bits(layout: Layout) -> np.ndarray:
     return km.doc_start_bits(layout.offsets(), layout.num_tokens)
 
 
-@lru_cache(maxsize=1 << 16)
-def _prefix(layout: Layout, k: int) -> np.ndarray:
-    """Shard ``k``'s sorted positions, mapped once per worker process."""
-    return np.memmap(layout.path(k, "prefix"), dtype=fmt.PREFIX_DTYPE, mode="r")
-
-
 def forget_cached_files() -> None:
-    """Drop per-process mappings (a new build may have replaced the files)."""
-    _prefix.cache_clear()
+    """Drop the cached document bitmap (a new build may have replaced the files)."""
     _doc_bits.cache_clear()
 
 
@@ -123,7 +116,8 @@ def features_job(layout: Layout, plan: Plan, ranges: list[tuple[int, int]]) -> i
     pos = np.empty(rows, dtype=np.int64)
     locals_ = []
     for k, (lo, hi) in enumerate(ranges):
-        local = np.array(_prefix(layout, k)[lo:hi])
+        prefix = np.memmap(layout.path(k, "prefix"), dtype=fmt.PREFIX_DTYPE, mode="r")
+        local = np.array(prefix[lo:hi])  # unmapped after the job: RSS stays per job
         locals_.append(local)
         r = slice(run_starts[k], run_starts[k + 1])
         tail, nxt = _neighbours(layout, stream, k)

@@ -1,6 +1,6 @@
 """The on-disk index format: file names, dtypes and the manifest. Shared by the builder and readers.
 
-Layout of an index directory (format version 1):
+Layout of an index directory (format version 2: version 1 had no buckets.u32):
 
 - ``manifest.json``: written last; its presence marks a complete index.
 - ``tokenizer.json``: HF ``tokenizers`` BPE model (absent for byte-level indexes).
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 FORMAT_NAME = "teralm-index"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"

@@ -334,9 +334,10 @@ def bucket_histogram(tokens, tail, shard_start, doc_bits, separator, elem_bits, 
 
 def doc_start_bits(offsets: np.ndarray, n_total: int) -> np.ndarray:
     """Bitmap of the positions where a document starts: bit ``p % 64`` of word ``p // 64``."""
-    bits = np.zeros((n_total // 64 + 2) * 64, dtype=bool)
-    bits[np.asarray(offsets[:-1], dtype=np.int64)] = True
-    return np.packbits(bits, bitorder="little").view("<u8")
+    bits = np.zeros(n_total // 64 + 2, dtype="<u8")
+    starts = np.asarray(offsets[:-1], dtype=np.uint64)
+    np.bitwise_or.at(bits, starts >> np.uint64(6), np.uint64(1) << (starts & np.uint64(63)))
+    return bits
 
 
 def brute_force_features(tokens: np.ndarray, doc_ids: np.ndarray, cap: int):
