@@ -2,8 +2,9 @@
 online matcher that gives new text the same features the corpus has in training.
 
 All searches run over the shards' ``.prefix`` files (positions sorted by reversed context). The
-suffix of a context that is ``l`` tokens long occupies one rank range per shard; the next token
-narrows it (see teralm.kernels.query). Results do not depend on how the corpus was sharded.
+occurrences of a context's suffix form one rank range per shard, found by one binary search for
+the context's insertion point and a gallop outwards (see teralm.kernels.query). A batch is one
+compiled call. Results do not depend on how the corpus was sharded.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class QueryEngine:
         return doc_start_bits(self.index.offsets, self.index.num_tokens)
 
     @cached_property
-    def _lists(self) -> tuple:
+    def _shard_arrays(self) -> tuple:
         """The shards' arrays as tuples (cheap to pass to numba, unlike lists), built once."""
         return (
             tuple(np.asarray(s.tokens) for s in self.shards),
@@ -104,7 +105,7 @@ class QueryEngine:
             np.cumsum([len(p) for p in parts], out=starts[1:])
             flat = np.concatenate(parts) if parts else np.empty(0, np.int64)
         *match, witness, offsets, tokens, counts, bad = kq.lookup(
-            *self._lists,
+            *self._shard_arrays,
             self.doc_bits,
             self.separator,
             self.index.num_tokens,
