@@ -95,7 +95,10 @@ class QueryEngine:
 
     def _lookup(self, contexts, need_follower: bool, max_support: int, top_k: int | None):
         """Run the lookup kernel on a batch (a list of token sequences or a 2-D array)."""
-        if isinstance(contexts, np.ndarray) and contexts.ndim == 2:
+        if len(contexts) == 1:  # the common single query, without list handling
+            flat = np.asarray(contexts[0], dtype=np.int64).ravel()
+            starts = np.array([0, flat.size], dtype=np.int64)
+        elif isinstance(contexts, np.ndarray) and contexts.ndim == 2:
             flat = contexts.astype(np.int64).ravel()
             starts = np.arange(0, flat.size + 1, max(contexts.shape[1], 1), dtype=np.int64)
             starts = starts[: len(contexts) + 1]
