@@ -81,12 +81,17 @@ class QueryEngine:
     def _shard_arrays(self) -> tuple:
         """The shards' arrays as tuples (cheap to pass to numba, unlike lists), built once."""
         return (
-            tuple(np.asarray(s.tokens) for s in self.shards),
-            tuple(np.ascontiguousarray(s.tail) for s in self.shards),
-            tuple(np.asarray(s.prefix) for s in self.shards),
+            tuple(
+                (
+                    np.asarray(s.tokens),
+                    np.ascontiguousarray(s.tail),
+                    np.asarray(s.prefix),
+                    s.start,
+                    s.lowest,
+                )
+                for s in self.shards
+            ),
             tuple(np.ascontiguousarray(s.nxt) for s in self.shards),
-            np.array([s.start for s in self.shards], dtype=np.int64),
-            np.array([s.lowest for s in self.shards], dtype=np.int64),
             np.fromfile(self.index.directory / fmt.BUCKETS, dtype=fmt.BUCKET_DTYPE).reshape(
                 len(self.shards), fmt.NUM_BUCKETS + 1
             ),

@@ -15,10 +15,12 @@ from teralm.kernels.match import PREFETCH, _doc_depth, _is_doc_start
 
 
 @njit(cache=True, inline="always")
-def _common(tokens, tail, prefix, start, lowest, doc_bits, separator, i, ctx, end, limit):
+def _common(shard, doc_bits, separator, i, ctx, end, limit):
     """(common prefix length with the query, and whether the query sorts before the entry's key)
     for the entry at rank ``i``. The query is ``ctx[end-limit:end]`` read backwards (the reversed
-    context); a query that is a prefix of the key sorts first."""
+    context); a query that is a prefix of the key sorts first. ``shard`` is (tokens, tail,
+    prefix, start, lowest)."""
+    tokens, tail, prefix, start, lowest = shard
     q = np.int64(prefix[i])
     p = start + q
     real = min(_doc_depth(doc_bits, p, max(limit, 1)), p - lowest + 1)
@@ -34,15 +36,13 @@ def _common(tokens, tail, prefix, start, lowest, doc_bits, separator, i, ctx, en
 
 
 @njit(cache=True)
-def _shard_range(
-    tokens, tail, prefix, start, lowest, doc_bits, separator, buckets, elem_bits, ctx, end, m
-):
+def _shard_range(shard, doc_bits, separator, buckets, elem_bits, ctx, end, m):
     """Longest match of the reversed query in this shard: (length, insertion rank).
 
     The binary search starts inside the query's bucket (its leading 16 bits): ``buckets[b]`` is
     where bucket ``b`` starts in ``.prefix``.
     """
-    n = len(prefix)
+    n = len(shard[2])
     if n == 0:
         return 0, 0
     lead, bits = 0, 0
@@ -53,36 +53,30 @@ def _shard_range(
     a, b = np.int64(buckets[lead]), np.int64(buckets[lead + (1 << (16 - bits))])
     while a < b:  # first rank whose key is >= the query
         mid = (a + b) >> 1
-        _, before = _common(
-            tokens, tail, prefix, start, lowest, doc_bits, separator, mid, ctx, end, m
-        )
+        _, before = _common(shard, doc_bits, separator, mid, ctx, end, m)
         if before:
             b = mid
         else:
             a = mid + 1
     length = 0
     if a < n:
-        length = _common(tokens, tail, prefix, start, lowest, doc_bits, separator, a, ctx, end, m)[
-            0
-        ]
+        length = _common(shard, doc_bits, separator, a, ctx, end, m)[0]
     if a > 0:
-        left = _common(
-            tokens, tail, prefix, start, lowest, doc_bits, separator, a - 1, ctx, end, m
-        )[0]
+        left = _common(shard, doc_bits, separator, a - 1, ctx, end, m)[0]
         length = max(length, left)
     return length, a
 
 
 @njit(cache=True)
-def _expand(tokens, tail, prefix, start, lowest, doc_bits, separator, ctx, end, length, at):
+def _expand(shard, doc_bits, separator, ctx, end, length, at):
     """All ranks sharing ``length`` elements with the query, around its insertion point ``at``
     (the caller knows that block is not empty): gallop outwards, then binary search."""
-    n = len(prefix)
+    n = len(shard[2])
     if length == 0:
         return 0, n
 
     def shares(i):
-        got = _common(tokens, tail, prefix, start, lowest, doc_bits, separator, i, ctx, end, length)
+        got = _common(shard, doc_bits, separator, i, ctx, end, length)
         return got[0] == length
 
     k = at if at < n and shares(at) else at - 1
@@ -128,12 +122,8 @@ def _failed(contexts):
 
 @njit(cache=True)
 def lookup(
-    shard_tokens,
-    shard_tails,
-    shard_prefix,
+    per_shard,
     shard_next,
-    shard_start,
-    shard_lowest,
     shard_buckets,
     elem_bits,
     doc_bits,
@@ -148,6 +138,7 @@ def lookup(
 ):
     """Longest match, its occurrences and next-token counts for a batch of contexts
     (``ctx[ctx_starts[c]:ctx_starts[c+1]]``; only the part after a separator value can match).
+    ``per_shard[k]`` is shard k's (tokens, tail, prefix, start, lowest).
 
     ``need_follower``: the match must have an occurrence with a next token in its document (the
     ∞-gram's rule); else any occurrence counts (the online features' rule). Counts are exact up
@@ -157,7 +148,7 @@ def lookup(
     counts), most frequent first, ``top_k`` each (all if ``top_k <= 0``); and the index of the
     first token outside the vocabulary (-1 if none; then nothing else is computed).
     """
-    shards = len(shard_prefix)
+    shards = len(per_shard)
     contexts = len(ctx_starts) - 1
     out_len = np.zeros(contexts, dtype=np.int64)
     out_count = np.zeros(contexts, dtype=np.int64)
@@ -181,18 +172,7 @@ def lookup(
         best = 0
         for k in range(shards):
             length, at = _shard_range(
-                shard_tokens[k],
-                shard_tails[k],
-                shard_prefix[k],
-                shard_start[k],
-                shard_lowest[k],
-                doc_bits,
-                separator,
-                shard_buckets[k],
-                elem_bits,
-                ctx,
-                end,
-                m,
+                per_shard[k], doc_bits, separator, shard_buckets[k], elem_bits, ctx, end, m
             )
             found[k, 0], found[k, 1] = length, at
             best = max(best, length)
@@ -200,20 +180,8 @@ def lookup(
         while True:
             total = 0
             for k in range(shards):
-                if found[k, 0] >= best and len(shard_prefix[k]):
-                    lo, hi = _expand(
-                        shard_tokens[k],
-                        shard_tails[k],
-                        shard_prefix[k],
-                        shard_start[k],
-                        shard_lowest[k],
-                        doc_bits,
-                        separator,
-                        ctx,
-                        end,
-                        best,
-                        found[k, 1],
-                    )
+                if found[k, 0] >= best and len(per_shard[k][2]):
+                    lo, hi = _expand(per_shard[k], doc_bits, separator, ctx, end, best, found[k, 1])
                 else:
                     lo, hi = 0, 0
                 out_ranges[c, k, 0], out_ranges[c, k, 1] = lo, hi
@@ -223,17 +191,17 @@ def lookup(
                         break
                     if (
                         _follower_of(
-                            shard_tokens[k],
+                            per_shard[k][0],
                             shard_next[k],
-                            shard_prefix[k],
-                            shard_start[k],
+                            per_shard[k][2],
+                            per_shard[k][3],
                             doc_bits,
                             n_total,
                             i,
                         )
                         >= 0
                     ):
-                        witness = shard_start[k] + np.int64(shard_prefix[k][i])
+                        witness = per_shard[k][3] + np.int64(per_shard[k][2][i])
             if witness >= 0 or not need_follower or best == 0:
                 break
             best -= 1
@@ -255,7 +223,7 @@ def lookup(
             stride = 0
         for k in range(shards if stride else 0):
             lo, hi = out_ranges[c, k, 0], out_ranges[c, k, 1]
-            tokens, prefix, first = shard_tokens[k], shard_prefix[k], shard_start[k]
+            tokens, _, prefix, first, _ = per_shard[k]
             i = lo + (-passed) % stride
             while i < hi:
                 # touch a block's memory first so that its cache misses overlap
