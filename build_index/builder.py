@@ -56,7 +56,6 @@ class BuildConfig:
 class BuildResult:
     manifest: dict
     passes: list[PassStats] = field(default_factory=list)
-    resumed: bool = False
 
 
 def _index_files(out: Path) -> list[Path]:
@@ -92,13 +91,12 @@ def _prepare_out(config: BuildConfig) -> None:
             p.unlink()
 
 
-def _check_params(catalog: Catalog, params: dict, out: Path) -> bool:
-    """Record the build parameters, or compare them with a previous run's. True when resuming."""
+def _check_params(catalog: Catalog, params: dict, out: Path) -> None:
+    """Record the build parameters, or refuse if a previous run's differ."""
     previous = catalog.get("meta/params")
     if previous is None:
         catalog.put({"meta/params": params})
-        return False
-    if previous != params:
+    elif previous != params:
         changed = ", ".join(
             f"{k} {previous.get(k)!r} -> {v!r}" for k, v in params.items() if previous.get(k) != v
         )
@@ -106,7 +104,6 @@ def _check_params(catalog: Catalog, params: dict, out: Path) -> bool:
             f"{out} holds a different index ({changed}); use --force to replace it, "
             "or another --out"
         )
-    return True
 
 
 def _worker_init() -> None:
@@ -146,15 +143,16 @@ def build(config: BuildConfig) -> BuildResult:
     out = config.out
     catalog = Catalog(out / fmt.CATALOG)
     try:
-        resumed = _check_params(catalog, config.params(source.fingerprint()), out)
+        params = config.params(source.fingerprint())
+        _check_params(catalog, params, out)
         if (out / fmt.MANIFEST).exists():
-            return BuildResult(fmt.read_manifest(out), [], resumed=True)
-        return _build_passes(config, source, kind, vocab, catalog, resumed)
+            return BuildResult(fmt.read_manifest(out), [])
+        return _build_passes(config, source, kind, vocab, catalog, params)
     finally:
         catalog.close()
 
 
-def _build_passes(config, source, kind, vocab, catalog, resumed) -> BuildResult:
+def _build_passes(config, source, kind, vocab, catalog, params) -> BuildResult:
     out, progress = config.out, config.progress
     stats = [PassStats(n) for n in ("tokenize", "sort", "features", "finalize")]
 
@@ -211,24 +209,23 @@ def _build_passes(config, source, kind, vocab, catalog, resumed) -> BuildResult:
             _features_pass(layout, catalog, config)
 
     with measure(stats[3]):
-        manifest = _finalize(layout, catalog, config, source.fingerprint(), stats)
-    return BuildResult(manifest, stats, resumed)
+        manifest = _finalize(layout, catalog, config, params, stats)
+    return BuildResult(manifest, stats)
 
 
 def _features_pass(layout: Layout, catalog: Catalog, config: BuildConfig) -> None:
     features.forget_cached_files()
     features.create_sorted_feature_files(layout)
-    plan = features.make_plan(layout)
-    buckets = plan.cumulative.astype(fmt.BUCKET_DTYPE)  # for the query engine
+    firsts, cumulative = features.make_plan(layout)
+    buckets = cumulative.astype(fmt.BUCKET_DTYPE)  # for the query engine
     fmt.write_atomic(Path(layout.directory) / fmt.BUCKETS, buckets)
     jobs = catalog.get("p3/jobs")
     if jobs is None:
         target = min(max(layout.num_tokens // (4 * max(config.workers, 1)), 1 << 12), 1 << 23)
-        jobs = features.split_jobs(plan, target)
+        jobs = features.split_jobs(cumulative, target)
         catalog.put({"p3/jobs": jobs})
-    tables = features.Plan(plan.first, plan.first_f, plan.first_tok, plan.cumulative[:0])
     todo = [
-        (i, features.job_ranges(plan, tuple(b)))
+        (i, features.job_ranges(cumulative, tuple(b)))
         for i, b in enumerate(jobs)
         if catalog.get(unit_key("p3/job", i)) is None
     ]
@@ -248,7 +245,7 @@ def _features_pass(layout: Layout, catalog: Catalog, config: BuildConfig) -> Non
             bar.update(rows)
 
         _run_units(
-            _numbered_job, [(i, layout, tables, r) for i, r in todo], config.workers, job_done
+            _numbered_job, [(i, layout, firsts, r) for i, r in todo], config.workers, job_done
         )
 
     shards = [
@@ -265,12 +262,12 @@ def _features_pass(layout: Layout, catalog: Catalog, config: BuildConfig) -> Non
     catalog.put({"p3/done": {"jobs": len(jobs)}})
 
 
-def _numbered_job(i, layout, tables, ranges):
-    return i, features.features_job(layout, tables, ranges)
+def _numbered_job(i, layout, firsts, ranges):
+    return i, features.features_job(layout, firsts, ranges)
 
 
 def _finalize(
-    layout: Layout, catalog: Catalog, config: BuildConfig, fingerprint: str, stats: list[PassStats]
+    layout: Layout, catalog: Catalog, config: BuildConfig, params: dict, stats: list[PassStats]
 ) -> dict:
     """Checksums, verification on a sample, then the manifest (written last, atomically)."""
     out = config.out
@@ -299,7 +296,7 @@ def _finalize(
             {"num_tokens": size, "files": checksums[k]} for k, size in enumerate(layout.sizes)
         ],
         "build": {
-            **config.params(fingerprint),
+            **params,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         },
         "passes": {

@@ -22,13 +22,12 @@ BUCKETS = fmt.NUM_BUCKETS
 
 
 @dataclass(frozen=True)
-class Plan:
+class FirstOccurrences:
     """Per token value: first position, first position with a follower, that follower."""
 
     first: np.ndarray
     first_f: np.ndarray
     first_tok: np.ndarray
-    cumulative: np.ndarray  # [shard, bucket + 1]: start of each bucket in the shard's .prefix
 
 
 @lru_cache(maxsize=2)
@@ -57,8 +56,9 @@ def _words(tokens: np.ndarray, layout: Layout) -> np.ndarray:
     return raw[: len(raw) // 8 * 8].view("<u8")
 
 
-def make_plan(layout: Layout) -> Plan:
-    """One sequential scan of the corpus: bucket histograms and first-occurrence tables."""
+def make_plan(layout: Layout) -> tuple[FirstOccurrences, np.ndarray]:
+    """One sequential scan of the corpus: the first-occurrence tables, and ``cumulative``
+    [shard, bucket + 1]: where each bucket starts in the shard's ``.prefix``."""
     bits = _doc_bits(layout)
     stream = layout.stream()
     vocab = max(layout.vocab_size, 256)
@@ -77,12 +77,12 @@ def make_plan(layout: Layout) -> Plan:
         km.first_occurrences(
             tokens, nxt, layout.shard_start(k), bits, layout.num_tokens, first, first_f, first_tok
         )
-    return Plan(first, first_f, first_tok, cumulative)
+    return FirstOccurrences(first, first_f, first_tok), cumulative
 
 
-def split_jobs(plan: Plan, target: int) -> list[tuple[int, int]]:
+def split_jobs(cumulative: np.ndarray, target: int) -> list[tuple[int, int]]:
     """Consecutive bucket ranges of about ``target`` positions each (a bucket is never split)."""
-    per_bucket = np.diff(plan.cumulative.sum(axis=0))
+    per_bucket = np.diff(cumulative.sum(axis=0))
     jobs, begin, acc = [], 0, 0
     for b in np.flatnonzero(per_bucket):
         acc += int(per_bucket[b])
@@ -94,16 +94,16 @@ def split_jobs(plan: Plan, target: int) -> list[tuple[int, int]]:
     return jobs
 
 
-def job_ranges(plan: Plan, buckets: tuple[int, int]) -> list[tuple[int, int]]:
+def job_ranges(cumulative: np.ndarray, buckets: tuple[int, int]) -> list[tuple[int, int]]:
     """Per shard, the ``.prefix`` range ``[lo, hi)`` whose keys lie in the bucket range."""
     b0, b1 = buckets
-    return [(int(lo), int(hi)) for lo, hi in zip(plan.cumulative[:, b0], plan.cumulative[:, b1])]
+    return [(int(lo), int(hi)) for lo, hi in zip(cumulative[:, b0], cumulative[:, b1])]
 
 
-def features_job(layout: Layout, plan: Plan, ranges: list[tuple[int, int]]) -> int:
+def features_job(layout: Layout, firsts: FirstOccurrences, ranges: list[tuple[int, int]]) -> int:
     """Compute and store the features of the positions in ``ranges`` (one range per shard).
 
-    ``plan`` needs only its first-occurrence tables here. Returns the number of positions.
+    Returns the number of positions.
     """
     bits = _doc_bits(layout)
     stream = layout.stream()
@@ -148,12 +148,12 @@ def features_job(layout: Layout, plan: Plan, ranges: list[tuple[int, int]]) -> i
 
     # One-token matches may lie in another bucket: take them from the first-occurrence table.
     short = length <= 1
-    length[short] = plan.first[token[short]] < pos[short]
-    has_next = np.where(short, plan.first_f[token] < pos, next_pos < km.INF) & (length > 0)
+    length[short] = firsts.first[token[short]] < pos[short]
+    has_next = np.where(short, firsts.first_f[token] < pos, next_pos < km.INF) & (length > 0)
     len_byte = np.empty(rows, dtype=np.uint8)
     len_byte[order] = length | np.where(has_next, 0, fmt.NO_FOLLOWER_BIT)
     next_row = np.empty(rows, dtype=np.int64)
-    next_row[order] = np.where(has_next, np.where(short, plan.first_tok[token], next_tok), 0)
+    next_row[order] = np.where(has_next, np.where(short, firsts.first_tok[token], next_tok), 0)
 
     # Rows of run k are shard k's prefix entries lo..hi: store them in that (sorted) order.
     width = np.dtype(layout.token_dtype).itemsize

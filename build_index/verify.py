@@ -28,33 +28,33 @@ def sha256_file(path: Path, bar=None) -> str:
 
 
 def shard_checksums(layout: Layout, progress: bool) -> list[dict]:
-    """``{kind: {"bytes", "sha256"}}`` for every shard file."""
+    """``{kind: {"bytes", "sha256"}}`` for every shard file (None for a missing one)."""
     paths = [[layout.path(k, kind) for kind in fmt.FILE_KINDS] for k in range(layout.num_shards)]
-    total = sum(p.stat().st_size for row in paths for p in row)
+    total = sum(p.stat().st_size for row in paths for p in row if p.exists())
     with tqdm(
         total=total, unit="B", unit_scale=True, desc="checksums", disable=not progress
     ) as bar:
         return [
-            {p.suffix[1:]: {"bytes": p.stat().st_size, "sha256": sha256_file(p, bar)} for p in row}
+            {
+                kind: {"bytes": p.stat().st_size, "sha256": sha256_file(p, bar)}
+                if p.exists()
+                else None
+                for kind, p in zip(fmt.FILE_KINDS, row)
+            }
             for row in paths
         ]
 
 
 def check_checksums(layout: Layout, shards: list[dict], progress: bool) -> list[str]:
     """Problems found comparing the shard files with the manifest's sizes and checksums."""
-    paths = [(k, layout.path(k, kind), kind) for k in range(len(shards)) for kind in fmt.FILE_KINDS]
-    missing = [p for _, p, _ in paths if not p.exists()]
-    total = sum(p.stat().st_size for _, p, _ in paths if p not in missing)
-    problems = [f"{p.name}: missing" for p in missing]
-    with tqdm(
-        total=total, unit="B", unit_scale=True, desc="checksums", disable=not progress
-    ) as bar:
-        for k, path, kind in paths:
-            if path in missing:
-                continue
-            actual = {"bytes": path.stat().st_size, "sha256": sha256_file(path, bar)}
-            if shards[k]["files"][kind] != actual:
-                problems.append(f"{path.name}: size or checksum differs from the manifest")
+    problems = []
+    for k, actual in enumerate(shard_checksums(layout, progress)):
+        for kind, record in actual.items():
+            name = layout.path(k, kind).name
+            if record is None:
+                problems.append(f"{name}: missing")
+            elif record != shards[k]["files"][kind]:
+                problems.append(f"{name}: size or checksum differs from the manifest")
     return problems
 
 
