@@ -75,11 +75,10 @@ def latency(fn, contexts) -> dict:
 
 def teralm_runner(index_dir: Path):
     from teralm.index import Index
-    from teralm.index.query import QueryEngine
 
-    engine = QueryEngine(Index.open(index_dir))
-    engine.next_token_distribution([[1, 2, 3]])  # compile / warm up
-    return engine, engine.next_token_distribution
+    ix = Index.open(index_dir)
+    ix.next_token_distribution([[1, 2, 3]])  # compile / warm up
+    return ix, ix.next_token_distribution
 
 
 PEER_SCRIPT = r"""
@@ -185,16 +184,16 @@ def main() -> None:
     )
     if built.returncode:
         sys.exit(built.stderr)
-    engine, teralm_query = teralm_runner(index_dir)
+    ix, teralm_query = teralm_runner(index_dir)
     used = np.flatnonzero(
-        np.bincount(engine.index.tokens(0, engine.index.num_tokens), minlength=256)
+        np.bincount(ix.tokens(0, ix.num_tokens), minlength=256)
     )
     sets = make_contexts(held, used, args.contexts, rng)
     peers = {} if args.no_peers else build_peers(train)
 
     rows = []
     for name, contexts in sets.items():
-        match = engine.longest_match(contexts)
+        match = ix.longest_match(contexts)
         rows.append(
             {
                 "tool": "teralm",
@@ -218,14 +217,14 @@ def main() -> None:
     from teralm.index.query import OnlineMatcher
 
     text = np.concatenate([np.frombuffer(d, np.uint8) for d in held])[: args.online_tokens]
-    matcher = OnlineMatcher(engine)
+    matcher = OnlineMatcher(ix)
     t = time.perf_counter()
     for token in text:
         matcher.push(int(token))
     online_us = (time.perf_counter() - t) / len(text) * 1e6
 
     print(
-        f"pydocs training bytes: {engine.index.num_tokens:,} tokens; {args.contexts:,} contexts "
+        f"pydocs training bytes: {ix.num_tokens:,} tokens; {args.contexts:,} contexts "
         f"of {CONTEXT} tokens per set; 1 process"
     )
     print(

@@ -142,6 +142,7 @@ def features_job(layout: Layout, firsts: FirstOccurrences, ranges: list[tuple[in
     lcp = km.adjacent_lcp(keys, depth, order, elem_bits)
     token = (keys[order, 0] >> np.uint64(64 - elem_bits)).astype(np.int64)
     del keys
+    follow = np.where(follower >= 0, follower, layout.separator).astype(_follow_dtype(layout))
     pos, follower = pos[order], follower[order]
     length, next_pos, next_tok = km.sweep_features(pos, follower, lcp, cap)
     del lcp, follower
@@ -157,6 +158,7 @@ def features_job(layout: Layout, firsts: FirstOccurrences, ranges: list[tuple[in
 
     # Rows of run k are shard k's prefix entries lo..hi: store them in that (sorted) order.
     width = np.dtype(layout.token_dtype).itemsize
+    follow_width = follow.dtype.itemsize
     for k, (lo, hi) in enumerate(ranges):
         if hi == lo:
             continue
@@ -166,20 +168,26 @@ def features_job(layout: Layout, firsts: FirstOccurrences, ranges: list[tuple[in
         try:
             os.pwrite(fd, len_byte[r].data, lo)
             os.pwrite(fd, next_row[r].astype(layout.token_dtype).data, n + lo * width)
+            os.pwrite(fd, follow[r].data, n * (1 + width) + lo * follow_width)
             os.fsync(fd)
         finally:
             os.close(fd)
     return rows
 
 
+def _follow_dtype(layout: Layout) -> np.dtype:
+    return fmt.sort_dtype(layout.token_dtype, layout.separator)
+
+
 def sorted_features_path(layout: Layout, k: int):
-    """Pass 3's work file for shard ``k``: features in ``.prefix`` order (removed at the end)."""
+    """Pass 3's work file for shard ``k``: features, then the ``.follow`` array, in ``.prefix``
+    order (removed at the end)."""
     return layout.path(k, "match").with_suffix(".match-sorted")
 
 
 def create_sorted_feature_files(layout: Layout) -> None:
     """Allocate (sparse) work files for the shards whose ``.match`` is not written yet."""
-    width = 1 + np.dtype(layout.token_dtype).itemsize
+    width = 1 + np.dtype(layout.token_dtype).itemsize + _follow_dtype(layout).itemsize
     for k, n in enumerate(layout.sizes):
         path = sorted_features_path(layout, k)
         if layout.path(k, "match").exists() or (path.exists() and path.stat().st_size == n * width):
@@ -191,10 +199,11 @@ def create_sorted_feature_files(layout: Layout) -> None:
 
 
 def write_match_file(layout: Layout, k: int) -> tuple[int, int]:
-    """Scatter shard ``k``'s sorted-order features to position order: the ``.match`` file.
+    """Scatter shard ``k``'s sorted-order features to position order (the ``.match`` file) and
+    write its ``.follow`` file.
 
-    The work file is removed only after the ``.match`` file is complete, so a re-run after a
-    crash in between finds the ``.match`` and has nothing to do.
+    The work file is removed only after both files are complete (``.match`` last), so a re-run
+    after a crash in between finds the ``.match`` and has nothing to do.
     """
     if not sorted_features_path(layout, k).exists() and layout.path(k, "match").exists():
         return k, layout.sizes[k]
@@ -203,7 +212,9 @@ def write_match_file(layout: Layout, k: int) -> tuple[int, int]:
     work = np.fromfile(sorted_features_path(layout, k), dtype=np.uint8)
     out = np.empty(n * (1 + dtype.itemsize), dtype=np.uint8)
     out[:n][prefix] = work[:n]
-    out[n:].view(dtype)[prefix] = work[n:].view(dtype)
+    width = n * (1 + dtype.itemsize)
+    out[n:].view(dtype)[prefix] = work[n:width].view(dtype)
+    fmt.write_atomic(layout.path(k, "follow"), work[width:])
     fmt.write_atomic(layout.path(k, "match"), out)
     sorted_features_path(layout, k).unlink()
     return k, n

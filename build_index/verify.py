@@ -84,6 +84,23 @@ def check_sorted(layout: Layout, samples: int, rng: np.random.Generator) -> list
     return problems
 
 
+def check_follow(layout: Layout, samples: int, rng: np.random.Generator) -> list[str]:
+    """Sample ranks of every ``.follow`` and compare with the token after the ranked position."""
+    stream, problems = layout.stream(), []
+    bits = km.doc_start_bits(layout.offsets(), layout.num_tokens)
+    dtype = fmt.sort_dtype(layout.token_dtype, layout.separator)
+    for k in range(layout.num_shards):
+        prefix = np.memmap(layout.path(k, "prefix"), dtype=fmt.PREFIX_DTYPE, mode="r")
+        follow = np.memmap(layout.path(k, "follow"), dtype=dtype, mode="r")
+        for i in rng.integers(0, len(prefix), size=samples if len(prefix) else 0):
+            p = layout.shard_start(k) + int(prefix[i])
+            ends = p + 1 >= layout.num_tokens or km._is_doc_start(bits, p + 1)
+            expected = layout.separator if ends else int(stream[p + 1 : p + 2][0])
+            if int(follow[i]) != expected:
+                problems.append(f"shard {k}: follower {int(follow[i])} at rank {i}, not {expected}")
+    return problems
+
+
 def check_features(layout: Layout, samples: int, rng: np.random.Generator) -> list[str]:
     """Compare stored features of random positions with an O(t) brute force."""
     n = layout.num_tokens
@@ -114,6 +131,10 @@ def check_features(layout: Layout, samples: int, rng: np.random.Generator) -> li
 
 
 def verify(layout: Layout, samples: int, seed: int = 0) -> list[str]:
-    """Sortedness and feature checks on ``samples`` random positions (per shard for sorting)."""
+    """Sortedness, follower and feature checks on ``samples`` random positions (per shard for sorting)."""
     rng = np.random.default_rng(seed)
-    return check_sorted(layout, samples, rng) + check_features(layout, samples, rng)
+    return (
+        check_sorted(layout, samples, rng)
+        + check_follow(layout, samples, rng)
+        + check_features(layout, samples, rng)
+    )

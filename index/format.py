@@ -1,6 +1,7 @@
 """The on-disk index format: file names, dtypes and the manifest. Shared by the builder and readers.
 
-Layout of an index directory (format version 2: version 1 had no buckets.u32):
+Layout of an index directory (format version 3: version 1 had no buckets.u32,
+version 2 no ``.follow`` files):
 
 - ``manifest.json``: written last; its presence marks a complete index.
 - ``tokenizer.json``: HF ``tokenizers`` BPE model (absent for byte-level indexes).
@@ -10,6 +11,9 @@ Layout of an index directory (format version 2: version 1 had no buckets.u32):
 - ``shard-XXXXX.prefix``: uint32 positions within the shard, sorted by preceding context (see below).
 - ``shard-XXXXX.match``: ``n`` bytes of match length (bit 7 set when no follower token exists),
   then ``n`` next tokens in the token dtype.
+- ``shard-XXXXX.follow``: in ``.prefix`` order, the token that follows each position in its
+  document, or the separator where none does (sort-key dtype: ``sort_dtype``). The next-token
+  counts of a context are a histogram of one contiguous slice of it.
 - ``catalog.lmdb``: documents (start, length, source) and build progress records.
 - ``buckets.u32``: uint32[num_shards, 65537]: where each bucket (the leading 16 bits of the
   sort key) starts in each shard's ``.prefix``; queries start their binary searches there.
@@ -29,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 FORMAT_NAME = "teralm-index"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
@@ -38,7 +42,7 @@ CATALOG = "catalog.lmdb"
 BUCKETS = "buckets.u32"
 BUCKET_DTYPE = np.dtype("<u4")
 NUM_BUCKETS = 1 << 16
-FILE_KINDS = ("tokens", "prefix", "match")
+FILE_KINDS = ("tokens", "prefix", "match", "follow")
 
 PREFIX_DTYPE = np.dtype("<u4")
 OFFSET_DTYPE = np.dtype("<u8")

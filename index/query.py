@@ -18,7 +18,7 @@ from teralm.index.reader import Index
 from teralm.kernels import query as kq
 from teralm.kernels.match import _is_doc_start, doc_start_bits
 
-MAX_SUPPORT = 4096
+EXACT_LIMIT = 1 << 16
 SNIPPET = 60
 
 
@@ -34,118 +34,145 @@ class MatchResult:
 
 
 @dataclass
-class _Shard:
-    start: int
-    tokens: np.ndarray
-    tail: np.ndarray
-    nxt: np.ndarray
-    prefix: np.ndarray
-    lowest: int
+class Probability:
+    """The ∞-gram probability of one next token per context (see ``QueryEngine.probability``).
+
+    ``length``, ``count``: the context's longest match (with a follower) and its occurrences;
+    ``hits``: occurrences of that match followed by the token; ``prob = hits / count``.
+    ``backoff_length``: the longest suffix (at most ``length``) that the token follows, -1 if
+    it follows nothing; ``backoff_prob``: the same ratio for that suffix (``prob`` when the
+    token follows the longest match; 0 when it follows nothing).
+    """
+
+    length: np.ndarray
+    count: np.ndarray
+    hits: np.ndarray
+    prob: np.ndarray
+    backoff_length: np.ndarray
+    backoff_prob: np.ndarray
 
 
 class QueryEngine:
-    """Read-only queries over an open Index; safe to use from many processes."""
+    """Read-only queries over an open Index; safe to use from many processes.
+
+    The index opens each shard's ``.prefix`` and ``.follow`` with mmap; nothing is read whole.
+    """
 
     def __init__(self, index: Index):
         self.index = index
         self.separator = index.manifest["separator"]
         overlap = index.manifest["context_overlap"]
         stream = index.stream
-        self.shards = []
+        follow_dtype = fmt.sort_dtype(stream.dtype, self.separator)
+        shards = []
         for k, size in enumerate(stream.sizes):
             start = k * stream.shard_tokens
             lowest = max(0, start - overlap)
-            after = stream[start + size : start + size + 1]
-            self.shards.append(
-                _Shard(
+            shards.append(
+                (
+                    np.asarray(stream.shard(k)),
+                    np.ascontiguousarray(stream[lowest:start]),
+                    _map(index.directory, k, "prefix", fmt.PREFIX_DTYPE, size),
+                    _map(index.directory, k, "follow", follow_dtype, size),
                     start,
-                    stream.shard(k),
-                    stream[lowest:start],
-                    after if len(after) else np.zeros(1, stream.dtype),
-                    np.memmap(
-                        fmt.shard_file(index.directory, k, "prefix"),
-                        dtype=fmt.PREFIX_DTYPE,
-                        mode="r",
-                    )
-                    if size
-                    else np.empty(0, fmt.PREFIX_DTYPE),
                     lowest,
                 )
             )
+        self.shards = tuple(shards)
+        self.buckets = np.memmap(
+            index.directory / fmt.BUCKETS,
+            dtype=fmt.BUCKET_DTYPE,
+            mode="r",
+            shape=(len(shards), fmt.NUM_BUCKETS + 1),
+        )
+        self.elem_bits = 8 * follow_dtype.itemsize
 
     @cached_property
     def doc_bits(self) -> np.ndarray:
         return doc_start_bits(self.index.offsets, self.index.num_tokens)
 
-    @cached_property
-    def _shard_arrays(self) -> tuple:
-        """The shards' arrays as tuples (cheap to pass to numba, unlike lists), built once."""
-        return (
-            tuple(
-                (
-                    np.asarray(s.tokens),
-                    np.ascontiguousarray(s.tail),
-                    np.asarray(s.prefix),
-                    s.start,
-                    s.lowest,
-                )
-                for s in self.shards
-            ),
-            tuple(np.ascontiguousarray(s.nxt) for s in self.shards),
-            np.fromfile(self.index.directory / fmt.BUCKETS, dtype=fmt.BUCKET_DTYPE).reshape(
-                len(self.shards), fmt.NUM_BUCKETS + 1
-            ),
-            8 * fmt.sort_dtype(self.index.stream.dtype, self.separator).itemsize,
-        )
-
-    def _lookup(self, contexts, need_follower: bool, max_support: int, top_k: int | None):
+    def _lookup(self, contexts, need_follower: bool, exact_limit: int, top_k: int | None):
         """Run the lookup kernel on a batch (a list of token sequences or a 2-D array)."""
         if len(contexts) == 1:  # the common single query, without list handling
             flat = np.asarray(contexts[0], dtype=np.int64).ravel()
             starts = np.array([0, flat.size], dtype=np.int64)
         elif isinstance(contexts, np.ndarray) and contexts.ndim == 2:
             flat = contexts.astype(np.int64).ravel()
-            starts = np.arange(0, flat.size + 1, max(contexts.shape[1], 1), dtype=np.int64)
-            starts = starts[: len(contexts) + 1]
+            starts = np.arange(len(contexts) + 1, dtype=np.int64) * contexts.shape[1]
         else:
             parts = [np.asarray(c, dtype=np.int64).ravel() for c in contexts]
             starts = np.zeros(len(parts) + 1, dtype=np.int64)
             np.cumsum([len(p) for p in parts], out=starts[1:])
             flat = np.concatenate(parts) if parts else np.empty(0, np.int64)
-        *match, witness, offsets, tokens, counts, bad = kq.lookup(
-            *self._shard_arrays,
+        summary, ranges, offsets, rows, bad = kq.lookup(
+            self.shards,
+            self.buckets,
+            self.elem_bits,
             self.doc_bits,
             self.separator,
-            self.index.num_tokens,
             self.index.vocab_size,
             flat,
             starts,
             need_follower,
-            max_support,
+            exact_limit,
             top_k or 0,
         )
         if bad >= 0:
             vocab = self.index.vocab_size
             raise ValueError(f"token {int(flat[bad])} is outside the vocabulary 0..{vocab - 1}")
-        return MatchResult(*match), witness, (offsets, tokens, counts)
+        return summary, ranges, offsets, rows
 
     def longest_match(self, contexts) -> MatchResult:
         """Longest suffix of each context that occurs followed by one more token of its document."""
-        return self._lookup(contexts, True, 0, None)[0]
+        summary, ranges, _, _ = self._lookup(contexts, True, 0, None)
+        return MatchResult(summary[:, 0], summary[:, 1], ranges)
 
     def next_token_distribution(
-        self, contexts, top_k: int | None = None, max_support: int = MAX_SUPPORT
+        self, contexts, top_k: int | None = None, exact_limit: int = EXACT_LIMIT
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Tokens that follow each context's longest match, with counts, most frequent first.
 
-        Exact when the match has at most ``max_support`` occurrences, and for one-byte matches
-        of a byte-level index (read off the bucket table). Otherwise, above that, the counts are
-        estimated from every ``stride``-th occurrence in sorted order (``stride`` = occurrences /
-        ``max_support`` rounded up; the same every time), each counting ``stride``; a token seen
-        fewer than ``stride`` times may be missing.
+        Exact when the match has at most ``exact_limit`` occurrences (a histogram of the
+        ``.follow`` slices), and for one-byte matches of a byte-level index (read off the bucket
+        table). Above that, counts are estimated from every ``stride``-th occurrence in sorted
+        order (``stride`` = ceil(occurrences / ``exact_limit``), deterministic), each counting
+        ``stride``: a count is off by less than ``stride`` times the number of sorted runs of
+        that token, and a token seen fewer than ``stride`` times may be missing.
         """
-        _, _, (offsets, tokens, counts) = self._lookup(contexts, True, max_support, top_k)
-        return [(tokens[a:b], counts[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
+        _, _, offsets, rows = self._lookup(contexts, True, exact_limit, top_k)
+        return [(rows[a:b, 0], rows[a:b, 1]) for a, b in zip(offsets[:-1], offsets[1:])]
+
+    def probability(self, contexts, tokens) -> Probability:
+        """∞-gram probability of ``tokens[c]`` following ``contexts[c]``, exact (range sizes).
+
+        As infini-gram defines it, the estimate comes from the longest suffix ``s`` of the
+        context that the corpus holds (here: with a follower, as in ``longest_match``):
+        ``P(w) = count(s w) / count(s)``, where the end of a document takes the part of an
+        end-of-document token. A token never seen after ``s`` backs off to the longest shorter
+        suffix it follows (``backoff_length``, ``backoff_prob``); length 0 is the unigram
+        ``count(w) / num_tokens``.
+        """
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if len(tokens) != len(contexts):
+            raise ValueError(f"{len(contexts)} contexts but {len(tokens)} tokens")
+        contexts = [np.asarray(c, dtype=np.int64).ravel() for c in contexts]
+        longest, _, _, _ = self._lookup(contexts, True, 0, None)
+        extended, _, _, _ = self._lookup(
+            [np.append(c, t) for c, t in zip(contexts, tokens)], False, 0, None
+        )
+        length, count = longest[:, 0], longest[:, 1]
+        backoff = extended[:, 0] - 1  # ``s_k w`` occurs for k = backoff and no longer suffix
+        hits = np.where(backoff == length, extended[:, 1], 0)
+        shorter, _, _, _ = self._lookup(
+            [c[len(c) - k :] if k > 0 else c[:0] for c, k in zip(contexts, backoff)],
+            False,
+            0,
+            None,
+        )
+        with np.errstate(invalid="ignore", divide="ignore"):
+            prob = np.where(count > 0, hits / np.maximum(count, 1), 0.0)
+            back = np.where(backoff >= 0, extended[:, 1] / np.maximum(shorter[:, 1], 1), 0.0)
+        return Probability(length, count, hits, prob, backoff, back)
 
     def documents(self, context, k: int = 5) -> list[dict]:
         """Up to ``k`` documents containing the context's longest match: attribution."""
@@ -153,25 +180,31 @@ class QueryEngine:
         match = self.longest_match([context])
         length = int(match.length[0])
         hits, seen = [], set()
-        for shard, (lo, hi) in enumerate(match.ranges[0]):
+        for (tokens, _, prefix, _, start, _), (lo, hi) in zip(self.shards, match.ranges[0]):
             for i in range(lo, min(hi, lo + 64 * k)):
-                end = self.shards[shard].start + int(self.shards[shard].prefix[i])
+                end = start + int(prefix[i])
                 doc = int(np.searchsorted(ix.offsets, end, side="right")) - 1
                 if doc in seen or len(hits) >= k:
                     continue
                 seen.add(doc)
-                start, stop = ix.document_range(doc)
-                a, b = max(start, end - length + 1 - SNIPPET), min(stop, end + 1 + SNIPPET)
+                first, stop = ix.document_range(doc)
+                a, b = max(first, end - length + 1 - SNIPPET), min(stop, end + 1 + SNIPPET)
                 hits.append(
                     {
                         "document": doc,
                         "source": ix.document_source(doc),
-                        "offset": end - length + 1 - start,
+                        "offset": end - length + 1 - first,
                         "length": length,
                         "snippet": ix.decode(ix.tokens(a, b)),
                     }
                 )
         return hits
+
+
+def _map(directory, k: int, kind: str, dtype, size: int) -> np.ndarray:
+    if size == 0:
+        return np.empty(0, dtype)
+    return np.memmap(fmt.shard_file(directory, k, kind), dtype=dtype, mode="r", shape=(size,))
 
 
 class OnlineMatcher:
@@ -183,17 +216,16 @@ class OnlineMatcher:
     otherwise it searches afresh.
     """
 
-    def __init__(self, engine: QueryEngine, max_len: int | None = None):
-        self.engine = engine
-        self.max_len = max_len or engine.index.max_match
+    def __init__(self, index: Index, max_len: int | None = None):
+        self.engine = index.query
+        self.max_len = max_len or index.max_match
         self.reset()
 
     def reset(self) -> None:
         self.text: list[int] = []
         self.length = 0
-        self.witness = (
-            -1
-        )  # a corpus position whose context matches ``length`` tokens, with a follower
+        # a corpus position whose context matches ``length`` tokens, with a follower
+        self.witness = -1
 
     def push(self, token: int) -> tuple[int, int]:
         ix = self.engine.index
@@ -220,8 +252,8 @@ class OnlineMatcher:
 
     def _search(self) -> tuple[int, int]:
         e = self.engine
-        match, witness, _ = e._lookup([self.text[-self.max_len :]], False, 0, None)
-        self.length, self.witness = int(match.length[0]), int(witness[0])
+        summary, _, _, _ = e._lookup([self.text[-self.max_len :]], False, 0, None)
+        self.length, self.witness = int(summary[0, 0]), int(summary[0, 3])
         if self.witness < 0:
             return self.length, e.index.no_token
         return self.length, self._follower(self.witness)

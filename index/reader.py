@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 from teralm.index import format as fmt
 from teralm.index.catalog import Catalog
 from teralm.index.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from teralm.index.query import MatchResult, Probability, QueryEngine
 
 
 class ShardedTokens:
@@ -119,6 +123,29 @@ class Index:
             lens.append(length[a:b])
             nexts.append(nxt[a:b])
         return decode_features(np.concatenate(lens), np.concatenate(nexts), self.no_token)
+
+    @cached_property
+    def query(self) -> QueryEngine:
+        """The query engine over this index (opened on first use)."""
+        from teralm.index.query import QueryEngine
+
+        return QueryEngine(self)
+
+    def longest_match(self, contexts) -> MatchResult:
+        """See ``QueryEngine.longest_match``."""
+        return self.query.longest_match(contexts)
+
+    def next_token_distribution(self, contexts, top_k: int | None = None):
+        """See ``QueryEngine.next_token_distribution``."""
+        return self.query.next_token_distribution(contexts, top_k=top_k)
+
+    def probability(self, contexts, tokens) -> Probability:
+        """See ``QueryEngine.probability``."""
+        return self.query.probability(contexts, tokens)
+
+    def documents(self, context, k: int = 5) -> list[dict]:
+        """See ``QueryEngine.documents``."""
+        return self.query.documents(context, k)
 
     def _match_arrays(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         if k not in self._match:

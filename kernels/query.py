@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit
-from teralm.kernels.match import PREFETCH, _doc_depth, _is_doc_start
+from teralm.kernels.match import _doc_depth
 
 
 @njit(cache=True, inline="always")
@@ -19,8 +19,8 @@ def _common(shard, doc_bits, separator, i, ctx, end, limit):
     """(common prefix length with the query, and whether the query sorts before the entry's key)
     for the entry at rank ``i``. The query is ``ctx[end-limit:end]`` read backwards (the reversed
     context); a query that is a prefix of the key sorts first. ``shard`` is (tokens, tail,
-    prefix, start, lowest)."""
-    tokens, tail, prefix, start, lowest = shard
+    prefix, follow, start, lowest)."""
+    tokens, tail, prefix, _, start, lowest = shard
     q = np.int64(prefix[i])
     p = start + q
     real = min(_doc_depth(doc_bits, p, max(limit, 1)), p - lowest + 1)
@@ -105,66 +105,37 @@ def _expand(shard, doc_bits, separator, ctx, end, length, at):
     return lo, hi
 
 
-@njit(cache=True, inline="always")
-def _follower_of(tokens, nxt, prefix, start, doc_bits, n_total, i):
-    q = np.int64(prefix[i])
-    p = start + q
-    if p + 1 >= n_total or _is_doc_start(doc_bits, p + 1):
-        return -1
-    return np.int64(tokens[q + 1]) if q + 1 < len(tokens) else np.int64(nxt[0])
-
-
-@njit(cache=True)
-def _failed(contexts):
-    empty = np.empty(0, dtype=np.int64)
-    return (empty, empty, np.empty((0, 0, 2), dtype=np.int64), empty, empty, empty, empty, -2)
-
-
 @njit(cache=True)
 def lookup(
-    per_shard,
-    shard_next,
-    shard_buckets,
-    elem_bits,
-    doc_bits,
-    separator,
-    n_total,
-    vocab,
-    ctx,
-    ctx_starts,
-    need_follower,
-    max_support,
-    top_k,
+    per_shard, shard_buckets, elem_bits, doc_bits, separator, vocab, ctx, ctx_starts,
+    need_follower, exact_limit, top_k,
 ):
     """Longest match, its occurrences and next-token counts for a batch of contexts
     (``ctx[ctx_starts[c]:ctx_starts[c+1]]``; only the part after a separator value can match).
-    ``per_shard[k]`` is shard k's (tokens, tail, prefix, start, lowest).
+    ``per_shard[k]`` is shard k's (tokens, tail, prefix, follow, start, lowest).
 
     ``need_follower``: the match must have an occurrence with a next token in its document (the
-    ∞-gram's rule); else any occurrence counts (the online features' rule). Counts are exact up
-    to ``max_support`` occurrences, else every stride-th occurrence counts ``stride`` times.
-    Returns per context the match length, its occurrence count, its rank range in every shard
-    and one occurrence with a follower (or -1); then the distributions as (offsets, tokens,
-    counts), most frequent first, ``top_k`` each (all if ``top_k <= 0``); and the index of the
-    first token outside the vocabulary (-1 if none; then nothing else is computed).
+    ∞-gram's rule); else any occurrence counts (the online features' rule). Next-token counts
+    are a histogram of the ``.follow`` slices: exact up to ``exact_limit`` occurrences (and
+    for one-byte matches of byte keys, from the bucket table), else every stride-th occurrence
+    counts ``stride`` times. Returns per context ``summary[c] = (length, occurrences,
+    occurrences with a follower, a position with a follower or -1)`` and the rank range in every
+    shard; then the distributions as ``offsets`` and rows ``(token, count)``, most frequent
+    first, ``top_k`` each (all if ``top_k <= 0``); and the index of the first token outside
+    the vocabulary (-1 if none; then nothing else is computed).
     """
     shards = len(per_shard)
     contexts = len(ctx_starts) - 1
-    out_len = np.zeros(contexts, dtype=np.int64)
-    out_count = np.zeros(contexts, dtype=np.int64)
-    out_witness = np.full(contexts, -1, dtype=np.int64)
-    out_ranges = np.zeros((contexts, shards, 2), dtype=np.int64)
+    summary = np.zeros((contexts, 4), dtype=np.int64)
+    ranges = np.zeros((contexts, shards, 2), dtype=np.int64)
+    offsets = np.zeros(contexts + 1, dtype=np.int64)
     for i in range(len(ctx)):
         if ctx[i] < 0 or ctx[i] >= vocab:
-            empty = np.empty(0, dtype=np.int64)
-            return out_len, out_count, out_ranges, out_witness, out_len, empty, empty, i
+            return summary, ranges, offsets, np.empty((0, 2), dtype=np.int64), i
     found = np.zeros((shards, 2), dtype=np.int64)  # (length, insertion point)
     tally = np.zeros(vocab, dtype=np.int64)
     seen = np.empty(vocab, dtype=np.int64)
-    offsets = np.zeros(contexts + 1, dtype=np.int64)
-    cap = max(16, contexts * 8)
-    tokens_out = np.empty(cap, dtype=np.int64)
-    counts_out = np.empty(cap, dtype=np.int64)
+    rows = np.empty((max(16, contexts * 8), 2), dtype=np.int64)
     for c in range(contexts):
         end, m = ctx_starts[c + 1], 0
         while m < end - ctx_starts[c] and ctx[end - 1 - m] != separator:
@@ -176,43 +147,31 @@ def lookup(
             )
             found[k, 0], found[k, 1] = length, at
             best = max(best, length)
-        witness = -1
         while True:
-            total = 0
+            total, witness = 0, -1
             for k in range(shards):
+                lo, hi = 0, 0
                 if found[k, 0] >= best and len(per_shard[k][2]):
                     lo, hi = _expand(per_shard[k], doc_bits, separator, ctx, end, best, found[k, 1])
-                else:
-                    lo, hi = 0, 0
-                out_ranges[c, k, 0], out_ranges[c, k, 1] = lo, hi
+                ranges[c, k, 0], ranges[c, k, 1] = lo, hi
                 total += hi - lo
-                for i in range(lo, hi):
-                    if witness >= 0:
+                follow = per_shard[k][3]
+                for i in range(lo, hi if witness < 0 else lo):
+                    if follow[i] != separator:
+                        witness = per_shard[k][4] + np.int64(per_shard[k][2][i])
                         break
-                    if (
-                        _follower_of(
-                            per_shard[k][0],
-                            shard_next[k],
-                            per_shard[k][2],
-                            per_shard[k][3],
-                            doc_bits,
-                            n_total,
-                            i,
-                        )
-                        >= 0
-                    ):
-                        witness = per_shard[k][3] + np.int64(per_shard[k][2][i])
             if witness >= 0 or not need_follower or best == 0:
                 break
             best -= 1
-        out_len[c], out_count[c], out_witness[c] = best, total, witness
-        # next-token counts over the occurrences (every stride-th one past max_support)
-        stride = max(1, (total + max_support - 1) // max_support) if max_support > 0 else 0
-        distinct = 0
-        passed = 0
+        summary[c, 0], summary[c, 1], summary[c, 3] = best, total, witness
+
+        distinct, followed = 0, 0
+        stride = 0  # no distribution
+        if exact_limit > 0:
+            stride = 1 if total <= exact_limit else (total + exact_limit - 1) // exact_limit
         if stride > 1 and best == 1 and elem_bits == 8:
             # a one-byte match: bucket (f, a) counts exactly the bytes f that follow byte a
-            a = ctx[end - 1]
+            stride, a = 0, ctx[end - 1]
             for f in range(vocab):
                 b = (f << 8) | a
                 for k in range(shards):
@@ -220,51 +179,32 @@ def lookup(
                 if tally[f]:
                     seen[distinct] = f
                     distinct += 1
-            stride = 0
+                    followed += tally[f]
+        passed = 0
         for k in range(shards if stride else 0):
-            lo, hi = out_ranges[c, k, 0], out_ranges[c, k, 1]
-            tokens, _, prefix, first, _ = per_shard[k]
-            i = lo + (-passed) % stride
-            while i < hi:
-                # touch a block's memory first so that its cache misses overlap
-                block_end = min(hi, i + PREFETCH * stride)
-                touched = 0
-                for t in range(i, block_end, stride):
-                    q = np.int64(prefix[t])
-                    touched += tokens[min(q + 1, len(tokens) - 1)]
-                    touched += np.int64(doc_bits[(first + q + 1) >> 6] & np.uint64(1))
-                if touched < 0:  # never: it only keeps the loads alive
-                    return _failed(contexts)
-                for t in range(i, block_end, stride):
-                    f = _follower_of(tokens, shard_next[k], prefix, first, doc_bits, n_total, t)
-                    if f >= 0:
-                        if tally[f] == 0:
-                            seen[distinct] = f
-                            distinct += 1
-                        tally[f] += stride
-                i = block_end + (i - block_end) % stride
+            lo, hi = ranges[c, k, 0], ranges[c, k, 1]
+            follow = per_shard[k][3]
+            for i in range(lo + (-passed) % stride, hi, stride):
+                f = follow[i]
+                if f != separator:
+                    if tally[f] == 0:
+                        seen[distinct] = f
+                        distinct += 1
+                    tally[f] += stride
+                    followed += stride
             passed += hi - lo
+        summary[c, 2] = followed
         order = np.argsort(-tally[seen[:distinct]] * (vocab + 1) + seen[:distinct])
         keep = distinct if top_k <= 0 else min(top_k, distinct)
-        if offsets[c] + keep > cap:
-            cap = max(2 * cap, offsets[c] + keep)
-            tokens_out = np.concatenate((tokens_out, np.empty(cap - len(tokens_out), np.int64)))
-            counts_out = np.concatenate((counts_out, np.empty(cap - len(counts_out), np.int64)))
+        if offsets[c] + keep > len(rows):
+            grown = np.empty((max(2 * len(rows), offsets[c] + keep), 2), dtype=np.int64)
+            grown[: offsets[c]] = rows[: offsets[c]]
+            rows = grown
         for j in range(keep):
             f = seen[order[j]]
-            tokens_out[offsets[c] + j] = f
-            counts_out[offsets[c] + j] = tally[f]
+            rows[offsets[c] + j, 0] = f
+            rows[offsets[c] + j, 1] = tally[f]
         offsets[c + 1] = offsets[c] + keep
         for j in range(distinct):
             tally[seen[j]] = 0
-    n_out = offsets[contexts]
-    return (
-        out_len,
-        out_count,
-        out_ranges,
-        out_witness,
-        offsets,
-        tokens_out[:n_out],
-        counts_out[:n_out],
-        -1,
-    )
+    return summary, ranges, offsets, rows[: offsets[contexts]], -1

@@ -122,25 +122,22 @@ def _run_verify(args: argparse.Namespace) -> int:
 
 def _run_query(args: argparse.Namespace) -> int:
     from teralm.index import Index
-    from teralm.index.query import QueryEngine
 
     try:
         ix = Index.open(args.index)
     except ValueError as e:
         return _fail("teralm query", str(e))
-    engine = QueryEngine(ix)
     context = ix.encode(args.text)
-    match = engine.longest_match([context])
+    match = ix.longest_match([context])
     length, count = int(match.length[0]), int(match.count[0])
     matched = ix.decode(context[len(context) - length :]) if length else ""
     print(f"longest match: {length} of {len(context)} tokens, {count:,} occurrences: {matched!r}")
-    tokens, counts = engine.next_token_distribution([context])[0]
-    total = counts.sum()
+    tokens, counts = ix.next_token_distribution([context], top_k=args.top)[0]
     if len(tokens):
         print("next token      probability   count")
-    for token, n in zip(tokens[: args.top], counts[: args.top]):
-        print(f"  {ix.decode([int(token)])!r:<14} {n / total:10.3f} {n:8,}")
-    for hit in engine.documents(context, k=args.sources):
+    for token, n in zip(tokens, counts):
+        print(f"  {ix.decode([int(token)])!r:<14} {n / count:10.3f} {n:8,}")
+    for hit in ix.documents(context, k=args.sources):
         snippet = " ".join(hit["snippet"].split())
         print(f"[doc {hit['document']}] {hit['source']} @ {hit['offset']}: {snippet[:100]!r}")
     return 0

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from conftest import build_docs, random_documents
 from teralm.index import Index
+from teralm.index import format as fmt
 from teralm.kernels.match import brute_force_features
 
 
@@ -27,6 +28,22 @@ def assert_features_match_brute_force(ix: Index) -> None:
             assert nxt in valid, f"position {t}: next {nxt} not among {valid}"
         else:
             assert nxt == ix.no_token, f"position {t}: next {nxt}, expected none"
+    assert_follow_arrays_correct(ix, doc_ids_of(ix))
+
+
+def assert_follow_arrays_correct(ix: Index, doc_ids: np.ndarray) -> None:
+    """``.follow[i]`` is the token after the i-th sorted position, or the separator."""
+    tokens, separator = ix.tokens(0, ix.num_tokens), ix.manifest["separator"]
+    dtype = fmt.sort_dtype(tokens.dtype, separator)
+    for k in range(len(ix.manifest["shards"])):
+        prefix = np.fromfile(fmt.shard_file(ix.directory, k, "prefix"), dtype=fmt.PREFIX_DTYPE)
+        follow = np.fromfile(fmt.shard_file(ix.directory, k, "follow"), dtype=dtype)
+        p = prefix.astype(np.int64) + k * ix.manifest["shard_tokens"]
+        inside = p + 1 < ix.num_tokens
+        inside[inside] = doc_ids[p[inside] + 1] == doc_ids[p[inside]]
+        expected = np.full(len(p), separator)
+        expected[inside] = tokens[p[inside] + 1]
+        np.testing.assert_array_equal(follow, expected)
 
 
 @pytest.mark.parametrize("seed", range(6))

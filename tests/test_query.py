@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 from conftest import build_docs, random_documents
-from teralm.index.query import OnlineMatcher, QueryEngine
+from teralm.index.query import OnlineMatcher
 from test_features import doc_ids_of
 
 
@@ -60,11 +60,10 @@ def corpus(request, tmp_path):
 
 def test_longest_match_and_distribution_equal_brute_force(corpus):
     ix, rng = corpus
-    engine = QueryEngine(ix)
     x, doc_ids = ix.tokens(0, ix.num_tokens), doc_ids_of(ix)
     contexts = random_contexts(rng, x, 40)
-    match = engine.longest_match(contexts)
-    dists = engine.next_token_distribution(contexts)
+    match = ix.longest_match(contexts)
+    dists = ix.next_token_distribution(contexts)
     for c, context in enumerate(contexts):
         length, count, nexts = brute_longest(x, doc_ids, context)
         assert (match.length[c], match.count[c]) == (length, count), context
@@ -73,12 +72,39 @@ def test_longest_match_and_distribution_equal_brute_force(corpus):
         assert list(counts) == sorted(counts, reverse=True)
 
 
+def test_probability_equals_brute_force(corpus):
+    ix, rng = corpus
+    x, doc_ids = ix.tokens(0, ix.num_tokens), doc_ids_of(ix)
+    contexts = random_contexts(rng, x, 40)
+    tokens = [int(t) for t in rng.choice(np.unique(x), size=len(contexts))]
+    got = ix.probability(contexts, tokens)
+    for c, (context, w) in enumerate(zip(contexts, tokens)):
+        length, count, nexts = brute_longest(x, doc_ids, context)
+        hits = len(occurrences(x, doc_ids, list(context[len(context) - length :]) + [w]))
+        assert hits == nexts[w] or length == 0  # the empty suffix counts document starts too
+        assert (got.length[c], got.count[c], got.hits[c]) == (length, count, hits)
+        assert got.prob[c] == pytest.approx(hits / count)
+        k = next(
+            k
+            for k in range(length, -2, -1)
+            if k < 0 or occurrences(x, doc_ids, list(context[len(context) - k :]) + [w])
+        )
+        assert got.backoff_length[c] == k
+        if k >= 0:
+            suffix = context[len(context) - k :]
+            followed = len(occurrences(x, doc_ids, list(suffix) + [w]))
+            want = followed / len(occurrences(x, doc_ids, suffix))
+            assert got.backoff_prob[c] == pytest.approx(want)
+        if hits:
+            assert got.backoff_prob[c] == got.prob[c]
+
+
 def test_sharded_equals_unsharded(tmp_path):
     rng = np.random.default_rng(9)
     docs = random_documents(rng, 20, max_len=150)
-    one = QueryEngine(build_docs(tmp_path / "one", docs, shard_tokens=1 << 20))
-    many = QueryEngine(build_docs(tmp_path / "many", docs, shard_tokens=33))
-    contexts = random_contexts(rng, one.index.tokens(0, one.index.num_tokens), 50)
+    one = build_docs(tmp_path / "one", docs, shard_tokens=1 << 20)
+    many = build_docs(tmp_path / "many", docs, shard_tokens=33)
+    contexts = random_contexts(rng, one.tokens(0, one.num_tokens), 50)
     a, b = one.longest_match(contexts), many.longest_match(contexts)
     np.testing.assert_array_equal(a.length, b.length)
     np.testing.assert_array_equal(a.count, b.count)
@@ -92,12 +118,11 @@ def test_sharded_equals_unsharded(tmp_path):
 
 def test_online_matcher_equals_brute_force_step_by_step(corpus):
     ix, rng = corpus
-    engine = QueryEngine(ix)
     x, doc_ids = ix.tokens(0, ix.num_tokens), doc_ids_of(ix)
     for _ in range(4):
         a = int(rng.integers(0, len(x) - 1))
         text = [int(t) for t in x[a : a + 40]] + [int(t) for t in rng.integers(97, 100, size=15)]
-        matcher = OnlineMatcher(engine, max_len=12)
+        matcher = OnlineMatcher(ix, max_len=12)
         for i, token in enumerate(text):
             length, nxt = matcher.push(token)
             prefix = text[: i + 1]
@@ -114,22 +139,20 @@ def test_online_matcher_equals_brute_force_step_by_step(corpus):
 
 def test_online_matcher_agrees_with_stored_features(corpus):
     ix, _ = corpus
-    engine = QueryEngine(ix)
     stored = ix.features(0, ix.num_tokens)
     for doc in range(ix.num_documents):
         start, stop = ix.document_range(doc)
-        matcher = OnlineMatcher(engine)
+        matcher = OnlineMatcher(ix)
         online = [length for length, _ in matcher.extend(ix.tokens(start, stop))]
         assert all(o >= s for o, s in zip(online, stored.match_len[start:stop]))
 
 
 def test_documents_attribution(corpus):
     ix, rng = corpus
-    engine = QueryEngine(ix)
     x = ix.tokens(0, ix.num_tokens)
     context = list(x[10:25])
-    hits = engine.documents(context, k=3)
-    length = int(engine.longest_match([context]).length[0])
+    hits = ix.documents(context, k=3)
+    length = int(ix.longest_match([context]).length[0])
     assert 1 <= len(hits) <= 3 and length > 0
     for hit in hits:
         start, _ = ix.document_range(hit["document"])
@@ -141,17 +164,16 @@ def test_documents_attribution(corpus):
 
 def test_edge_cases(corpus):
     ix, _ = corpus
-    engine = QueryEngine(ix)
-    empty = engine.longest_match([[]])
+    empty = ix.longest_match([[]])
     assert empty.length[0] == 0 and empty.count[0] == ix.num_tokens
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        engine.longest_match([[300]])
+        ix.longest_match([[300]])
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        OnlineMatcher(engine).push(-1)
-    unseen = engine.longest_match([[ord("z")]])  # a byte the corpus never holds
+        OnlineMatcher(ix).push(-1)
+    unseen = ix.longest_match([[ord("z")]])  # a byte the corpus never holds
     assert unseen.length[0] == 0
     separator = ix.manifest["separator"]
-    assert engine.longest_match([[ord("a"), separator]]).length[0] == 0
+    assert ix.longest_match([[ord("a"), separator]]).length[0] == 0
 
 
 def test_query_cli(corpus):
@@ -174,21 +196,19 @@ def test_query_cli(corpus):
 
 def test_large_ranges_are_sampled_deterministically(corpus):
     ix, _ = corpus
-    engine = QueryEngine(ix)
-    exact = dict(zip(*(a.tolist() for a in engine.next_token_distribution([[]])[0])))
-    tokens, counts = engine.next_token_distribution([[]], max_support=10)[0]
+    exact = dict(zip(*(a.tolist() for a in ix.next_token_distribution([[]])[0])))
+    tokens, counts = ix.query.next_token_distribution([[]], exact_limit=10)[0]
     stride = -(-ix.num_tokens // 10)
     assert all(c % stride == 0 for c in counts) and set(tokens.tolist()) <= set(exact)
-    again = engine.next_token_distribution([[]], max_support=10)[0]
+    again = ix.query.next_token_distribution([[]], exact_limit=10)[0]
     assert tokens.tolist() == again[0].tolist() and counts.tolist() == again[1].tolist()
 
 
 def test_one_byte_matches_are_exact_past_max_support(corpus):
     ix, _ = corpus
-    engine = QueryEngine(ix)
     context = [ord("a")]
-    exact = engine.next_token_distribution([context])
-    table = engine.next_token_distribution([context], max_support=2)
-    assert engine.longest_match([context]).count[0] > 2
+    exact = ix.next_token_distribution([context])
+    table = ix.query.next_token_distribution([context], exact_limit=2)
+    assert ix.longest_match([context]).count[0] > 2
     for (ta, ca), (tb, cb) in zip(exact, table):
         assert ta.tolist() == tb.tolist() and ca.tolist() == cb.tolist()
