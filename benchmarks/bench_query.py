@@ -185,9 +185,7 @@ def main() -> None:
     if built.returncode:
         sys.exit(built.stderr)
     ix, teralm_query = teralm_runner(index_dir)
-    used = np.flatnonzero(
-        np.bincount(ix.tokens(0, ix.num_tokens), minlength=256)
-    )
+    used = np.flatnonzero(np.bincount(ix.tokens(0, ix.num_tokens), minlength=256))
     sets = make_contexts(held, used, args.contexts, rng)
     peers = {} if args.no_peers else build_peers(train)
 

@@ -175,6 +175,35 @@ def features_job(layout: Layout, firsts: FirstOccurrences, ranges: list[tuple[in
     return rows
 
 
+def sampled_keys(layout: Layout, k: int, prefix: np.ndarray) -> np.ndarray:
+    """The first key word of every ``KEY_SAMPLE``-th rank of shard ``k`` (the ``.keys`` file)."""
+    stream = layout.stream()
+    tokens = stream.shard(k)
+    tail, nxt = _neighbours(layout, stream, k)
+    local = np.ascontiguousarray(prefix[:: fmt.KEY_SAMPLE])
+    per_word = 64 // layout.elem_bits
+    keys = np.empty((len(local), 1), dtype=np.uint64)
+    depth = np.empty(len(local), dtype=np.uint8)
+    follower = np.empty(len(local), dtype=np.int32)
+    km.gather_keys(
+        tokens,
+        _words(tokens, layout),
+        tail,
+        nxt,
+        layout.shard_start(k),
+        local,
+        _doc_bits(layout),
+        layout.num_tokens,
+        per_word,
+        layout.separator,
+        layout.elem_bits,
+        keys,
+        depth,
+        follower,
+    )
+    return keys[:, 0]
+
+
 def _follow_dtype(layout: Layout) -> np.dtype:
     return fmt.sort_dtype(layout.token_dtype, layout.separator)
 
@@ -200,7 +229,7 @@ def create_sorted_feature_files(layout: Layout) -> None:
 
 def write_match_file(layout: Layout, k: int) -> tuple[int, int]:
     """Scatter shard ``k``'s sorted-order features to position order (the ``.match`` file) and
-    write its ``.follow`` file.
+    write its ``.follow`` and ``.keys`` files.
 
     The work file is removed only after both files are complete (``.match`` last), so a re-run
     after a crash in between finds the ``.match`` and has nothing to do.
@@ -215,6 +244,7 @@ def write_match_file(layout: Layout, k: int) -> tuple[int, int]:
     width = n * (1 + dtype.itemsize)
     out[n:].view(dtype)[prefix] = work[n:width].view(dtype)
     fmt.write_atomic(layout.path(k, "follow"), work[width:])
+    fmt.write_atomic(layout.path(k, "keys"), sampled_keys(layout, k, prefix))
     fmt.write_atomic(layout.path(k, "match"), out)
     sorted_features_path(layout, k).unlink()
     return k, n

@@ -14,6 +14,9 @@ version 2 no ``.follow`` files):
 - ``shard-XXXXX.follow``: in ``.prefix`` order, the token that follows each position in its
   document, or the separator where none does (sort-key dtype: ``sort_dtype``). The next-token
   counts of a context are a histogram of one contiguous slice of it.
+- ``shard-XXXXX.keys``: uint64, the first word of the sort key of every ``KEY_SAMPLE``-th rank:
+  ``64 / element bits`` key elements, big-endian, cut by the separator, zero after it. Binary
+  searches run over it before they touch ``.prefix``.
 - ``catalog.lmdb``: documents (start, length, source) and build progress records.
 - ``buckets.u32``: uint32[num_shards, 65537]: where each bucket (the leading 16 bits of the
   sort key) starts in each shard's ``.prefix``; queries start their binary searches there.
@@ -42,7 +45,9 @@ CATALOG = "catalog.lmdb"
 BUCKETS = "buckets.u32"
 BUCKET_DTYPE = np.dtype("<u4")
 NUM_BUCKETS = 1 << 16
-FILE_KINDS = ("tokens", "prefix", "match", "follow")
+FILE_KINDS = ("tokens", "prefix", "match", "follow", "keys")
+KEY_SAMPLE = 32
+KEY_DTYPE = np.dtype("<u8")
 
 PREFIX_DTYPE = np.dtype("<u4")
 OFFSET_DTYPE = np.dtype("<u8")

@@ -9,16 +9,18 @@ compiled call. Results do not depend on how the corpus was sharded.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
+from numba.typed import List
 from teralm.index import format as fmt
 from teralm.index.reader import Index
 from teralm.kernels import query as kq
 from teralm.kernels.match import _is_doc_start, doc_start_bits
 
-EXACT_LIMIT = 1 << 16
+EXACT_LIMIT = 1 << 14
 SNIPPET = 60
 
 
@@ -55,7 +57,7 @@ class Probability:
 class QueryEngine:
     """Read-only queries over an open Index; safe to use from many processes.
 
-    The index opens each shard's ``.prefix`` and ``.follow`` with mmap; nothing is read whole.
+    The index opens each shard's ``.prefix``, ``.follow`` and ``.keys`` with mmap; nothing is read whole.
     """
 
     def __init__(self, index: Index):
@@ -70,26 +72,41 @@ class QueryEngine:
             lowest = max(0, start - overlap)
             shards.append(
                 (
-                    np.asarray(stream.shard(k)),
-                    np.ascontiguousarray(stream[lowest:start]),
+                    _read_only(stream.shard(k)),
+                    _read_only(stream[lowest:start]),
                     _map(index.directory, k, "prefix", fmt.PREFIX_DTYPE, size),
                     _map(index.directory, k, "follow", follow_dtype, size),
+                    _map(index.directory, k, "keys", fmt.KEY_DTYPE, size),
                     start,
                     lowest,
                 )
             )
         self.shards = tuple(shards)
-        self.buckets = np.memmap(
-            index.directory / fmt.BUCKETS,
-            dtype=fmt.BUCKET_DTYPE,
-            mode="r",
-            shape=(len(shards), fmt.NUM_BUCKETS + 1),
-        )
+        # one typed list for the kernel: passing it costs the same whatever the shard count
+        self._kernel_shards = List(shards)
+        self._thread_local = threading.local()
+        buckets = np.memmap(index.directory / fmt.BUCKETS, dtype=fmt.BUCKET_DTYPE, mode="r")
+        self.buckets = np.asarray(buckets).reshape(len(shards), fmt.NUM_BUCKETS + 1)
         self.elem_bits = 8 * follow_dtype.itemsize
 
     @cached_property
     def doc_bits(self) -> np.ndarray:
         return doc_start_bits(self.index.offsets, self.index.num_tokens)
+
+    @cached_property
+    def pairs(self) -> np.ndarray:
+        """Byte-pair counts for one-byte matches (byte keys only), from the bucket tables."""
+        if self.elem_bits != 8:
+            return np.zeros((0, 0), dtype=np.int64)
+        return kq.pair_counts(self.buckets)
+
+    def _scratch(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per-thread kernel scratch arrays (a zeroed tally and a list of tokens seen)."""
+        local = self._thread_local
+        if not hasattr(local, "scratch"):
+            vocab = self.index.vocab_size
+            local.scratch = (np.zeros(vocab, np.int64), np.empty(vocab, np.int64))
+        return local.scratch
 
     def _lookup(self, contexts, need_follower: bool, exact_limit: int, top_k: int | None):
         """Run the lookup kernel on a batch (a list of token sequences or a 2-D array)."""
@@ -105,9 +122,11 @@ class QueryEngine:
             np.cumsum([len(p) for p in parts], out=starts[1:])
             flat = np.concatenate(parts) if parts else np.empty(0, np.int64)
         summary, ranges, offsets, rows, bad = kq.lookup(
-            self.shards,
+            self._kernel_shards,
             self.buckets,
             self.elem_bits,
+            fmt.KEY_SAMPLE,
+            self.pairs,
             self.doc_bits,
             self.separator,
             self.index.vocab_size,
@@ -116,6 +135,7 @@ class QueryEngine:
             need_follower,
             exact_limit,
             top_k or 0,
+            *self._scratch(),
         )
         if bad >= 0:
             vocab = self.index.vocab_size
@@ -133,8 +153,8 @@ class QueryEngine:
         """Tokens that follow each context's longest match, with counts, most frequent first.
 
         Exact when the match has at most ``exact_limit`` occurrences (a histogram of the
-        ``.follow`` slices), and for one-byte matches of a byte-level index (read off the bucket
-        table). Above that, counts are estimated from every ``stride``-th occurrence in sorted
+        ``.follow`` slices), and for one-byte matches of a byte-level index (byte-pair counts
+        summed from the bucket tables at first use). Above that, counts are estimated from every ``stride``-th occurrence in sorted
         order (``stride`` = ceil(occurrences / ``exact_limit``), deterministic), each counting
         ``stride``: a count is off by less than ``stride`` times the number of sorted runs of
         that token, and a token seen fewer than ``stride`` times may be missing.
@@ -180,7 +200,7 @@ class QueryEngine:
         match = self.longest_match([context])
         length = int(match.length[0])
         hits, seen = [], set()
-        for (tokens, _, prefix, _, start, _), (lo, hi) in zip(self.shards, match.ranges[0]):
+        for (_, _, prefix, _, _, start, _), (lo, hi) in zip(self.shards, match.ranges[0]):
             for i in range(lo, min(hi, lo + 64 * k)):
                 end = start + int(prefix[i])
                 doc = int(np.searchsorted(ix.offsets, end, side="right")) - 1
@@ -202,9 +222,18 @@ class QueryEngine:
 
 
 def _map(directory, k: int, kind: str, dtype, size: int) -> np.ndarray:
+    """Read-only mmap of a shard file as a plain ndarray (numba takes those faster than
+    np.memmap objects)."""
     if size == 0:
-        return np.empty(0, dtype)
-    return np.memmap(fmt.shard_file(directory, k, kind), dtype=dtype, mode="r", shape=(size,))
+        return _read_only(np.empty(0, dtype))
+    return np.asarray(np.memmap(fmt.shard_file(directory, k, kind), dtype=dtype, mode="r"))
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    """A read-only plain ndarray view (all shard arrays share one type in the kernel)."""
+    view = np.ascontiguousarray(array).view(np.ndarray)
+    view.flags.writeable = False
+    return view
 
 
 class OnlineMatcher:

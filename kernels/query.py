@@ -19,8 +19,8 @@ def _common(shard, doc_bits, separator, i, ctx, end, limit):
     """(common prefix length with the query, and whether the query sorts before the entry's key)
     for the entry at rank ``i``. The query is ``ctx[end-limit:end]`` read backwards (the reversed
     context); a query that is a prefix of the key sorts first. ``shard`` is (tokens, tail,
-    prefix, follow, start, lowest)."""
-    tokens, tail, prefix, _, start, lowest = shard
+    prefix, follow, keys, start, lowest)."""
+    tokens, tail, prefix, _, _, start, lowest = shard
     q = np.int64(prefix[i])
     p = start + q
     real = min(_doc_depth(doc_bits, p, max(limit, 1)), p - lowest + 1)
@@ -36,21 +36,45 @@ def _common(shard, doc_bits, separator, i, ctx, end, limit):
 
 
 @njit(cache=True)
-def _shard_range(shard, doc_bits, separator, buckets, elem_bits, ctx, end, m):
+def _shard_range(shard, doc_bits, separator, buckets, elem_bits, sample, ctx, end, m):
     """Longest match of the reversed query in this shard: (length, insertion rank).
 
-    The binary search starts inside the query's bucket (its leading 16 bits): ``buckets[b]`` is
-    where bucket ``b`` starts in ``.prefix``.
+    The search starts inside the query's bucket (its leading 16 bits: ``buckets[b]`` is where
+    bucket ``b`` starts in ``.prefix``), narrows it on the sampled first key words (``.keys``,
+    one per ``sample`` ranks; one memory access per step), then binary searches the ranks left.
     """
     n = len(shard[2])
-    if n == 0:
+    if n == 0 or m == 0:
         return 0, 0
-    lead, bits = 0, 0
-    while bits < 16 and bits // elem_bits < m:
-        lead = (lead << elem_bits) | ctx[end - 1 - bits // elem_bits]
-        bits += elem_bits
-    lead <<= 16 - bits
-    a, b = np.int64(buckets[lead]), np.int64(buckets[lead + (1 << (16 - bits))])
+    per_word = 64 // elem_bits
+    word = np.uint64(0)
+    for j in range(per_word):
+        word <<= np.uint64(elem_bits)
+        if j < m:
+            word |= np.uint64(ctx[end - 1 - j])
+    lead = np.int64(word >> np.uint64(48))
+    width = 1 << (16 - min(16, m * elem_bits))
+    a, b = np.int64(buckets[lead]), np.int64(buckets[lead + width])
+    keys = shard[4]
+    lo, hi = (a + sample - 1) // sample, (b + sample - 1) // sample  # samples in [a, b)
+    s0, s1 = lo, hi
+    while s0 < s1:  # first sample whose word is >= the query's
+        mid = (s0 + s1) >> 1
+        if keys[mid] < word:
+            s0 = mid + 1
+        else:
+            s1 = mid
+    if s0 > lo:
+        a = (s0 - 1) * sample + 1
+    s1 = hi
+    while s0 < s1:  # first sample whose word is > the query's
+        mid = (s0 + s1) >> 1
+        if keys[mid] <= word:
+            s0 = mid + 1
+        else:
+            s1 = mid
+    if s0 < hi:
+        b = s0 * sample
     while a < b:  # first rank whose key is >= the query
         mid = (a + b) >> 1
         _, before = _common(shard, doc_bits, separator, mid, ctx, end, m)
@@ -105,24 +129,45 @@ def _expand(shard, doc_bits, separator, ctx, end, length, at):
     return lo, hi
 
 
+def pair_counts(shard_buckets: np.ndarray) -> np.ndarray:
+    """``pairs[a, f]``: how often byte ``f`` follows byte ``a`` inside a document, from the
+    bucket tables of a byte-keyed index (bucket ``(f, a)`` holds the keys starting ``f, a``)."""
+    sizes = np.diff(shard_buckets.astype(np.int64), axis=1).sum(axis=0)
+    return np.ascontiguousarray(sizes.reshape(256, 256).T)
+
+
 @njit(cache=True)
 def lookup(
-    per_shard, shard_buckets, elem_bits, doc_bits, separator, vocab, ctx, ctx_starts,
-    need_follower, exact_limit, top_k,
+    per_shard,
+    shard_buckets,
+    elem_bits,
+    sample,
+    pairs,
+    doc_bits,
+    separator,
+    vocab,
+    ctx,
+    ctx_starts,
+    need_follower,
+    exact_limit,
+    top_k,
+    tally,
+    seen,
 ):
     """Longest match, its occurrences and next-token counts for a batch of contexts
     (``ctx[ctx_starts[c]:ctx_starts[c+1]]``; only the part after a separator value can match).
-    ``per_shard[k]`` is shard k's (tokens, tail, prefix, follow, start, lowest).
+    ``per_shard[k]`` is shard k's (tokens, tail, prefix, follow, keys, start, lowest).
 
     ``need_follower``: the match must have an occurrence with a next token in its document (the
     ∞-gram's rule); else any occurrence counts (the online features' rule). Next-token counts
     are a histogram of the ``.follow`` slices: exact up to ``exact_limit`` occurrences (and
-    for one-byte matches of byte keys, from the bucket table), else every stride-th occurrence
-    counts ``stride`` times. Returns per context ``summary[c] = (length, occurrences,
+    for one-byte matches, from ``pairs[a, f]``, the count of byte ``f`` after byte ``a``, when
+    keys are bytes; else it is empty), else every stride-th occurrence counts ``stride`` times. Returns per context ``summary[c] = (length, occurrences,
     occurrences with a follower, a position with a follower or -1)`` and the rank range in every
     shard; then the distributions as ``offsets`` and rows ``(token, count)``, most frequent
     first, ``top_k`` each (all if ``top_k <= 0``); and the index of the first token outside
-    the vocabulary (-1 if none; then nothing else is computed).
+    the vocabulary (-1 if none; then nothing else is computed). ``tally`` (zeros) and ``seen``
+    are scratch arrays of ``vocab`` entries; ``tally`` is all zeros again on return.
     """
     shards = len(per_shard)
     contexts = len(ctx_starts) - 1
@@ -133,8 +178,6 @@ def lookup(
         if ctx[i] < 0 or ctx[i] >= vocab:
             return summary, ranges, offsets, np.empty((0, 2), dtype=np.int64), i
     found = np.zeros((shards, 2), dtype=np.int64)  # (length, insertion point)
-    tally = np.zeros(vocab, dtype=np.int64)
-    seen = np.empty(vocab, dtype=np.int64)
     rows = np.empty((max(16, contexts * 8), 2), dtype=np.int64)
     for c in range(contexts):
         end, m = ctx_starts[c + 1], 0
@@ -143,7 +186,7 @@ def lookup(
         best = 0
         for k in range(shards):
             length, at = _shard_range(
-                per_shard[k], doc_bits, separator, shard_buckets[k], elem_bits, ctx, end, m
+                per_shard[k], doc_bits, separator, shard_buckets[k], elem_bits, sample, ctx, end, m
             )
             found[k, 0], found[k, 1] = length, at
             best = max(best, length)
@@ -158,7 +201,7 @@ def lookup(
                 follow = per_shard[k][3]
                 for i in range(lo, hi if witness < 0 else lo):
                     if follow[i] != separator:
-                        witness = per_shard[k][4] + np.int64(per_shard[k][2][i])
+                        witness = per_shard[k][5] + np.int64(per_shard[k][2][i])
                         break
             if witness >= 0 or not need_follower or best == 0:
                 break
@@ -169,14 +212,12 @@ def lookup(
         stride = 0  # no distribution
         if exact_limit > 0:
             stride = 1 if total <= exact_limit else (total + exact_limit - 1) // exact_limit
-        if stride > 1 and best == 1 and elem_bits == 8:
-            # a one-byte match: bucket (f, a) counts exactly the bytes f that follow byte a
+        if stride and best == 1 and len(pairs):
+            # a one-byte match: the pair table counts exactly the bytes f that follow byte a
             stride, a = 0, ctx[end - 1]
             for f in range(vocab):
-                b = (f << 8) | a
-                for k in range(shards):
-                    tally[f] += np.int64(shard_buckets[k][b + 1]) - np.int64(shard_buckets[k][b])
-                if tally[f]:
+                if pairs[a, f]:
+                    tally[f] = pairs[a, f]
                     seen[distinct] = f
                     distinct += 1
                     followed += tally[f]

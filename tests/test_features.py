@@ -32,7 +32,8 @@ def assert_features_match_brute_force(ix: Index) -> None:
 
 
 def assert_follow_arrays_correct(ix: Index, doc_ids: np.ndarray) -> None:
-    """``.follow[i]`` is the token after the i-th sorted position, or the separator."""
+    """``.follow[i]`` is the token after the i-th sorted position, or the separator; ``.keys``
+    holds the first key word of every KEY_SAMPLE-th position."""
     tokens, separator = ix.tokens(0, ix.num_tokens), ix.manifest["separator"]
     dtype = fmt.sort_dtype(tokens.dtype, separator)
     for k in range(len(ix.manifest["shards"])):
@@ -44,6 +45,24 @@ def assert_follow_arrays_correct(ix: Index, doc_ids: np.ndarray) -> None:
         expected = np.full(len(p), separator)
         expected[inside] = tokens[p[inside] + 1]
         np.testing.assert_array_equal(follow, expected)
+        keys = np.fromfile(fmt.shard_file(ix.directory, k, "keys"), dtype=fmt.KEY_DTYPE)
+        bits = 8 * dtype.itemsize
+        assert keys.tolist() == [
+            first_key_word(tokens, doc_ids, t, bits, separator) for t in p[:: fmt.KEY_SAMPLE]
+        ]
+
+
+def first_key_word(tokens, doc_ids, t: int, bits: int, separator: int) -> int:
+    """The reversed context of ``t`` cut at its document start, then the separator, packed
+    big-endian into 64 bits (zeros after the separator)."""
+    key = []
+    for j in range(64 // bits):
+        if t - j < 0 or doc_ids[t - j] != doc_ids[t]:
+            key.append(separator)
+            break
+        key.append(int(tokens[t - j]))
+    key += [0] * (64 // bits - len(key))
+    return sum(v << (bits * (len(key) - 1 - i)) for i, v in enumerate(key))
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -33,7 +33,7 @@ def test_stdlib_folder_build(tmp_path):
     assert (folder / first).read_bytes() == ix.tokens(*ix.document_range(0)).tobytes()
     f = ix.features(0, ix.num_tokens)
     assert f.match_len.max() == 32 and (f.match_len >= 8).mean() > 0.3  # code repeats itself
-    assert result.manifest["bytes_per_token"]["total"] == pytest.approx(8.0)
+    assert result.manifest["bytes_per_token"]["total"] == pytest.approx(8.25, abs=0.03)
     assert verify(Layout.from_manifest(tmp_path / "ix", result.manifest), 200) == []
 
 
