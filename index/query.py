@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
-from numba.typed import List
 from teralm.index import format as fmt
 from teralm.index.reader import Index
 from teralm.kernels import query as kq
@@ -83,7 +82,7 @@ class QueryEngine:
             )
         self.shards = tuple(shards)
         # one typed list for the kernel: passing it costs the same whatever the shard count
-        self._kernel_shards = List(shards)
+        self._kernel_shards = kq.shard_list(self.shards)
         self._thread_local = threading.local()
         buckets = np.memmap(index.directory / fmt.BUCKETS, dtype=fmt.BUCKET_DTYPE, mode="r")
         self.buckets = np.asarray(buckets).reshape(len(shards), fmt.NUM_BUCKETS + 1)

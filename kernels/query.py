@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit
+from numba.typed import List
 from teralm.kernels.match import _doc_depth
 
 
@@ -37,7 +38,8 @@ def _common(shard, doc_bits, separator, i, ctx, end, limit):
 
 @njit(cache=True)
 def _shard_range(shard, doc_bits, separator, buckets, elem_bits, sample, ctx, end, m):
-    """Longest match of the reversed query in this shard: (length, insertion rank).
+    """Longest match of the reversed query in this shard: (length, insertion rank, and the
+    common prefix lengths of the ranks at and before it, -1 where there is none).
 
     The search starts inside the query's bucket (its leading 16 bits: ``buckets[b]`` is where
     bucket ``b`` starts in ``.prefix``), narrows it on the sampled first key words (``.keys``,
@@ -45,7 +47,7 @@ def _shard_range(shard, doc_bits, separator, buckets, elem_bits, sample, ctx, en
     """
     n = len(shard[2])
     if n == 0 or m == 0:
-        return 0, 0
+        return 0, 0, -1, -1
     per_word = 64 // elem_bits
     word = np.uint64(0)
     for j in range(per_word):
@@ -82,26 +84,27 @@ def _shard_range(shard, doc_bits, separator, buckets, elem_bits, sample, ctx, en
             b = mid
         else:
             a = mid + 1
-    length = 0
-    if a < n:
-        length = _common(shard, doc_bits, separator, a, ctx, end, m)[0]
-    if a > 0:
-        left = _common(shard, doc_bits, separator, a - 1, ctx, end, m)[0]
-        length = max(length, left)
-    return length, a
+    right = _common(shard, doc_bits, separator, a, ctx, end, m)[0] if a < n else -1
+    left = _common(shard, doc_bits, separator, a - 1, ctx, end, m)[0] if a > 0 else -1
+    return max(left, right, 0), a, right, left
 
 
 @njit(cache=True)
-def _expand(shard, doc_bits, separator, ctx, end, length, at):
-    """All ranks sharing ``length`` elements with the query, around its insertion point ``at``
-    (the caller knows that block is not empty): gallop outwards, then binary search."""
+def _expand(shard, doc_bits, separator, ctx, end, length, found):
+    """All ranks sharing ``length`` elements with the query, around its insertion point
+    (``found`` is what ``_shard_range`` returned; the caller knows that block is not empty):
+    gallop outwards, then binary search."""
     n = len(shard[2])
     if length == 0:
         return 0, n
+    at, right, left = found[1], found[2], found[3]
 
     def shares(i):
-        got = _common(shard, doc_bits, separator, i, ctx, end, length)
-        return got[0] == length
+        if i == at:
+            return right >= length
+        if i == at - 1:
+            return left >= length
+        return _common(shard, doc_bits, separator, i, ctx, end, length)[0] == length
 
     k = at if at < n and shares(at) else at - 1
     lo, step = k, 1
@@ -134,6 +137,15 @@ def pair_counts(shard_buckets: np.ndarray) -> np.ndarray:
     bucket tables of a byte-keyed index (bucket ``(f, a)`` holds the keys starting ``f, a``)."""
     sizes = np.diff(shard_buckets.astype(np.int64), axis=1).sum(axis=0)
     return np.ascontiguousarray(sizes.reshape(256, 256).T)
+
+
+@njit(cache=True)
+def shard_list(shards):
+    """The shards' tuple as a typed list (compiled and cached, unlike ``List(shards)``)."""
+    out = List()
+    for shard in shards:
+        out.append(shard)
+    return out
 
 
 @njit(cache=True)
@@ -177,7 +189,7 @@ def lookup(
     for i in range(len(ctx)):
         if ctx[i] < 0 or ctx[i] >= vocab:
             return summary, ranges, offsets, np.empty((0, 2), dtype=np.int64), i
-    found = np.zeros((shards, 2), dtype=np.int64)  # (length, insertion point)
+    found = np.zeros((shards, 4), dtype=np.int64)  # _shard_range's answer per shard
     rows = np.empty((max(16, contexts * 8), 2), dtype=np.int64)
     for c in range(contexts):
         end, m = ctx_starts[c + 1], 0
@@ -185,17 +197,16 @@ def lookup(
             m += 1
         best = 0
         for k in range(shards):
-            length, at = _shard_range(
+            found[k] = _shard_range(
                 per_shard[k], doc_bits, separator, shard_buckets[k], elem_bits, sample, ctx, end, m
             )
-            found[k, 0], found[k, 1] = length, at
-            best = max(best, length)
+            best = max(best, found[k, 0])
         while True:
             total, witness = 0, -1
             for k in range(shards):
                 lo, hi = 0, 0
                 if found[k, 0] >= best and len(per_shard[k][2]):
-                    lo, hi = _expand(per_shard[k], doc_bits, separator, ctx, end, best, found[k, 1])
+                    lo, hi = _expand(per_shard[k], doc_bits, separator, ctx, end, best, found[k])
                 ranges[c, k, 0], ranges[c, k, 1] = lo, hi
                 total += hi - lo
                 follow = per_shard[k][3]
