@@ -260,3 +260,71 @@ def lookup(
         for j in range(distinct):
             tally[seen[j]] = 0
     return summary, ranges, offsets, rows[: offsets[contexts]], -1
+
+
+@njit(cache=True)
+def causal_counts(
+    per_shard,
+    shard_buckets,
+    elem_bits,
+    sample,
+    doc_bits,
+    separator,
+    ctx,
+    ctx_starts,
+    limits,
+    targets,
+    exact_limit,
+):
+    """The ∞-gram of position ``limits[c]`` seeing only earlier text: for the context
+    ``ctx[ctx_starts[c]:ctx_starts[c+1]]`` (which ends just before ``limits[c]``), count the
+    occurrences of its longest suffix that end at positions ``p`` with ``p + 1 < limits[c]`` and
+    a follower in their document, and how many of those followers equal ``targets[c]``.
+
+    Returns ``(length, total, hits)`` per context; ``length`` backs off while no such occurrence
+    exists (0: none at all, then ``total`` is 0). Exact up to ``exact_limit`` occurrences of a
+    suffix, else every stride-th occurrence counts ``stride`` times.
+    """
+    contexts = len(ctx_starts) - 1
+    out = np.zeros((contexts, 3), dtype=np.int64)
+    for c in range(contexts):
+        end = ctx_starts[c + 1]
+        m = 0
+        while m < end - ctx_starts[c] and ctx[end - 1 - m] != separator:
+            m += 1
+        while m > 0:
+            total, hits = 0, 0
+            occurrences = 0
+            ranges = np.zeros((len(per_shard), 2), dtype=np.int64)
+            for k in range(len(per_shard)):
+                found = _shard_range(
+                    per_shard[k],
+                    doc_bits,
+                    separator,
+                    shard_buckets[k],
+                    elem_bits,
+                    sample,
+                    ctx,
+                    end,
+                    m,
+                )
+                if found[0] >= m:
+                    lo, hi = _expand(per_shard[k], doc_bits, separator, ctx, end, m, found)
+                    ranges[k, 0], ranges[k, 1] = lo, hi
+                    occurrences += hi - lo
+            stride = max(1, (occurrences + exact_limit - 1) // exact_limit)
+            passed = 0
+            for k in range(len(per_shard)):
+                lo, hi = ranges[k, 0], ranges[k, 1]
+                prefix, follow, start = per_shard[k][2], per_shard[k][3], per_shard[k][5]
+                for i in range(lo + (-passed) % stride, hi, stride):
+                    if start + np.int64(prefix[i]) + 1 < limits[c] and follow[i] != separator:
+                        total += stride
+                        if follow[i] == targets[c]:
+                            hits += stride
+                passed += hi - lo
+            if total > 0:
+                out[c, 0], out[c, 1], out[c, 2] = m, total, hits
+                break
+            m -= 1
+    return out

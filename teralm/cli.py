@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from teralm import cli_train
+
 
 def _add_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -154,7 +156,7 @@ def build_index_main(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``teralm build-index | verify-index | query``."""
+    """``teralm build-index | verify-index | query | train | eval | sample | export-fp8``."""
     parser = argparse.ArgumentParser(prog="teralm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_build_args(sub.add_parser("build-index", help="build the index of a corpus"))
@@ -169,7 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("text")
     q.add_argument("--top", type=int, default=5, help="continuations to show")
     q.add_argument("--sources", type=int, default=3, help="documents to show")
+    cli_train.add_parsers(sub)
     args = parser.parse_args(argv)
+    if args.command in cli_train.COMMANDS:
+        return cli_train.COMMANDS[args.command](args)
     if args.command == "build-index":
         return _run_build(args, "teralm build-index")
     if args.command == "query":

@@ -1,0 +1,63 @@
+"""Model hyperparameters."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+PRECISIONS = ("fp32", "bf16", "fp8", "int8")
+
+
+@dataclass
+class ModelConfig:
+    """Shape and options of a Transformer.
+
+    ``attention``: ``"full"`` everywhere, or ``"tscale"``: the first ``local_fraction`` of layers
+    attend only to the last ``window`` positions and the rest alternate window and full width.
+    ``index_input``: feed the index's causal features (looked-up next token, match length
+    bucket) through a learned gate; off for ablations, with all else equal.
+    ``precision``: arithmetic of every Linear layer in the blocks (see teralm.kernels.fp8).
+    """
+
+    vocab_size: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 256
+    mlp: str = "relu2"  # or "swiglu"
+    mlp_ratio: float = 4.0
+    max_seq_len: int = 1024
+    rope_base: float = 10000.0
+    attention: str = "full"  # or "tscale"
+    window: int = 64
+    local_fraction: float = 0.15
+    index_input: bool = True
+    max_match: int = 127
+    precision: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model {self.d_model} is not a multiple of n_head {self.n_head}")
+        if self.mlp not in ("relu2", "swiglu"):
+            raise ValueError(f"mlp must be relu2 or swiglu, not {self.mlp!r}")
+        if self.attention not in ("full", "tscale"):
+            raise ValueError(f"attention must be full or tscale, not {self.attention!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ModelConfig:
+        """Build from a dict; unknown keys are an error (a typo must not pass silently)."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown model settings: {', '.join(unknown)}")
+        return cls(**data)
+
+    def windowed(self, layer: int) -> bool:
+        """Whether ``layer`` attends only to a short window."""
+        if self.attention == "full":
+            return False
+        local = max(1, round(self.local_fraction * self.n_layer))
+        return layer < local or (layer - local) % 2 == 0

@@ -1,0 +1,194 @@
+"""A decoder-only transformer fed, at every position, by the index's answer for its context.
+
+RMSNorm, rotary positions, QK-norm, a ReLU² or SwiGLU MLP, tied embeddings, zero-initialised output
+projections. The index input: the looked-up next token and the bucketed match length, each through
+its own embedding, added to the token embedding through a learned per-channel gate that sees the
+token and how long the match was (how far to trust it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from teralm.kernels.fp8 import Fp8Matmul, Int8Matmul
+from teralm.model.config import ModelConfig
+from torch import nn
+
+
+class Linear(nn.Module):
+    """A bias-free linear layer whose matmul runs in the configured precision (fp32 master
+    weights; ``fp8`` and ``int8`` quantise both operands, see teralm.kernels.fp8)."""
+
+    def __init__(self, d_in: int, d_out: int, precision: str):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(d_out, d_in))
+        nn.init.normal_(self.weight, std=d_in**-0.5)
+        self.precision = precision
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.precision in ("fp32", "bf16"):
+            return F.linear(x, self.weight)
+        matmul = Fp8Matmul if self.precision == "fp8" else Int8Matmul
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            x = x.to(torch.get_autocast_dtype(device))
+        with torch.autocast(device, enabled=False):  # the quantised matmul sets its own precision
+            flat = matmul.apply(x.reshape(-1, x.shape[-1]), self.weight)
+        return flat.reshape(*x.shape[:-1], -1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight.to(x.dtype), self.eps)
+
+
+def length_bucket(length: torch.Tensor) -> torch.Tensor:
+    """Match lengths to buckets: 0, 1, 2, 3 exactly, then two buckets per power of two
+    (4-5, 6-7, 8-11, 12-15, 16-23, ...)."""
+    length = length.long().clamp(min=0)
+    msb = torch.floor(torch.log2(length.clamp(min=1).double())).long()
+    half = (length >> (msb - 1).clamp(min=0)) & 1
+    return torch.where(length < 4, length, 2 * msb + half)
+
+
+class IndexInput(nn.Module):
+    """Adds the index's features to the token embedding through a learned gate."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        buckets = int(length_bucket(torch.tensor(cfg.max_match))) + 1
+        self.next_embed = nn.Embedding(cfg.vocab_size + 1, cfg.d_model)  # + "nothing follows"
+        self.length_embed = nn.Embedding(buckets, cfg.d_model)
+        self.gate = nn.Linear(cfg.d_model, cfg.d_model)
+        for table in (self.next_embed, self.length_embed):
+            nn.init.normal_(table.weight, std=0.02)
+        nn.init.zeros_(self.gate.bias)
+        nn.init.normal_(self.gate.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor, next_token: torch.Tensor, match_len: torch.Tensor):
+        lengths = self.length_embed(length_bucket(match_len))
+        gate = torch.sigmoid(self.gate(x + lengths))
+        return x + gate * (self.next_embed(next_token) + lengths)
+
+
+def rope_tables(head_dim: int, length: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(length, dtype=torch.float64), inv)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (first half, second half) of ``x`` [B, H, T, D] by position."""
+    a, b = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.n_head, self.head_dim = cfg.n_head, cfg.d_model // cfg.n_head
+        self.qkv = Linear(cfg.d_model, 3 * cfg.d_model, cfg.precision)
+        self.proj = Linear(cfg.d_model, cfg.d_model, cfg.precision)
+        nn.init.zeros_(self.proj.weight)
+        self.q_norm = RMSNorm(self.head_dim)
+        self.k_norm = RMSNorm(self.head_dim)
+        self.window = cfg.window if cfg.windowed(layer) else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        q = apply_rope(self.q_norm(q), cos, sin)
+        k = apply_rope(self.k_norm(k), cos, sin)
+        if self.window is None or self.window >= T:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            i = torch.arange(T, device=x.device)
+            band = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < self.window)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=band)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hidden = int(cfg.mlp_ratio * cfg.d_model)
+        if cfg.mlp == "swiglu":
+            hidden = 2 * hidden // 3
+        self.swiglu = cfg.mlp == "swiglu"
+        self.up = Linear(cfg.d_model, 2 * hidden if self.swiglu else hidden, cfg.precision)
+        self.down = Linear(hidden, cfg.d_model, cfg.precision)
+        nn.init.zeros_(self.down.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        if self.swiglu:
+            gate, value = h.chunk(2, dim=-1)
+            return self.down(F.silu(gate) * value)
+        return self.down(F.relu(h).square())
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model)
+        self.attn = Attention(cfg, layer)
+        self.mlp_norm = RMSNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """``forward(tokens, next_token, match_len)`` -> logits [B, T, vocab]; the features are the
+    index's causal features at the same positions (ignored when ``index_input`` is off)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        self.index_input = IndexInput(cfg) if cfg.index_input else None
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model)
+        cos, sin = rope_tables(cfg.d_model // cfg.n_head, cfg.max_seq_len, cfg.rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        next_token: torch.Tensor | None = None,
+        match_len: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        T = tokens.shape[1]
+        if self.cfg.max_seq_len < T:
+            raise ValueError(
+                f"sequence of {T} tokens is longer than max_seq_len {self.cfg.max_seq_len}"
+            )
+        x = self.embed(tokens)
+        if self.index_input is not None:
+            if next_token is None or match_len is None:
+                raise ValueError(
+                    "this model was built with index input: pass next_token and match_len"
+                )
+            x = self.index_input(x, next_token, match_len)
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return F.linear(self.norm(x), self.embed.weight)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy in nats, computed in fp32."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))

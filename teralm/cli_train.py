@@ -1,0 +1,161 @@
+"""``teralm train | eval | sample``: the model side of the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from teralm.model.config import PRECISIONS
+
+
+def add_parsers(sub) -> None:
+    t = sub.add_parser("train", help="train a model with index lookup")
+    t.add_argument("--index", type=Path, required=True, help="index folder (build-index)")
+    t.add_argument("--out", type=Path, required=True, help="run folder")
+    group = t.add_mutually_exclusive_group()
+    group.add_argument("--preset", choices=["tiny", "125m", "1.5b"], default=None)
+    group.add_argument("--config", type=Path, help="TOML file with [model] and [train] tables")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out")
+    t.add_argument("--no-index-input", action="store_true", help="ablation: no index features")
+    t.add_argument("--precision", choices=PRECISIONS)
+    t.add_argument("--max-steps", type=int)
+    t.add_argument("--max-minutes", type=float)
+    t.add_argument("--seed", type=int)
+    t.add_argument("--quiet", action="store_true")
+
+    e = sub.add_parser("eval", help="held-out bpb / perplexity: model, ∞-gram, interpolation")
+    e.add_argument("run", type=Path, help="run folder (or fp8 export)")
+    e.add_argument("--index", type=Path, required=True)
+    e.add_argument("--max-tokens", type=int, default=100_000, help="held-out targets to score")
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.add_argument("--quiet", action="store_true")
+
+    s = sub.add_parser("sample", help="continue a prompt, with and without the index")
+    s.add_argument("run", type=Path)
+    s.add_argument("--index", type=Path, required=True)
+    s.add_argument("--prompt", default="def ")
+    s.add_argument("--tokens", type=int, default=200)
+    s.add_argument("--temperature", type=float, default=0.8)
+    s.add_argument("--seed", type=int, default=0)
+
+    x = sub.add_parser("export-fp8", help="write a run's model with fp8 weights")
+    x.add_argument("run", type=Path)
+    x.add_argument("--out", type=Path, required=True)
+
+
+def _fail(command: str, message: str) -> int:
+    print(f"teralm {command}: error: {message}", file=sys.stderr)
+    return 1
+
+
+def _train(args: argparse.Namespace) -> int:
+    from teralm.index import Index
+    from teralm.train.config import load_config
+    from teralm.train.loop import train
+    from teralm.train.report import plot_loss, summary
+
+    try:
+        ix = Index.open(args.index)
+        if args.resume and (args.out / "config.json").exists() and not (args.preset or args.config):
+            config = _saved_config(args.out)
+        else:
+            config = load_config(args.preset, args.config)
+        if args.no_index_input:
+            config.model.index_input = False
+        if args.precision:
+            config.model.precision = args.precision
+        for name in ("max_steps", "max_minutes", "seed"):
+            if getattr(args, name) is not None:
+                setattr(config.train, name, getattr(args, name))
+        result = train(ix, config, args.out, resume=args.resume, progress=not args.quiet)
+    except ValueError as e:
+        return _fail("train", str(e))
+    except KeyboardInterrupt:
+        return _fail("train", f"interrupted; continue with --resume (--out {args.out})")
+    plot_loss(args.out)
+    import torch
+
+    from teralm.train.evaluate import load_model
+
+    model, _ = load_model(args.out, torch.device("cpu"))
+    print(summary(args.out, result, model.num_parameters()))
+    return 0
+
+
+def _saved_config(run: Path):
+    from teralm.train.config import RunConfig
+
+    return RunConfig.from_dict(json.loads((run / "config.json").read_text())["config"])
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from teralm.index import Index
+    from teralm.train.evaluate import load_model, score, summarize
+    from teralm.train.loop import default_device
+
+    try:
+        ix = Index.open(args.index)
+        device = default_device()
+        model, state = load_model(args.run, device)
+        if model.cfg.vocab_size != ix.vocab_size:
+            raise ValueError("the run's vocabulary differs from the index's")
+        holdout = state["config"]["train"]["holdout_every"]
+        scores = score(ix, model, holdout, args.max_tokens, device, progress=not args.quiet)
+    except ValueError as e:
+        return _fail("eval", str(e))
+    result = summarize(scores, ix.vocab_size, ix.manifest["tokenizer"] == "bytes")
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    unit = result["metric"]
+    print(f"held-out {unit} on {result['tokens']:,} tokens (documents with id % {holdout} == 0)")
+    print(
+        f"  model ({'with' if model.cfg.index_input else 'without'} index input)  {result['model']:.4f}"
+    )
+    print(f"  ∞-gram alone                           {result['infgram']:.4f}")
+    print(f"  model + ∞-gram, λ={result['lambda']:.2f}               {result['interpolated']:.4f}")
+    return 0
+
+
+def _sample(args: argparse.Namespace) -> int:
+    import torch
+
+    from teralm.index import Index
+    from teralm.train.evaluate import load_model
+    from teralm.train.generate import generate
+
+    try:
+        ix = Index.open(args.index)
+        model, _ = load_model(args.run, torch.device("cpu"))
+    except ValueError as e:
+        return _fail("sample", str(e))
+    prompt = ix.encode(args.prompt)
+    modes = [True, False] if model.cfg.index_input else [False]
+    for use_index in modes:
+        out = generate(
+            model, ix, prompt, args.tokens, args.temperature, use_index=use_index, seed=args.seed
+        )
+        label = "with the index" if use_index else "without the index"
+        print(f"--- {label} ---\n{args.prompt}{ix.decode(out)}\n")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    import torch
+
+    from teralm.train import checkpoint
+    from teralm.train.evaluate import load_model
+
+    try:
+        model, state = load_model(args.run, torch.device("cpu"))
+    except ValueError as e:
+        return _fail("export-fp8", str(e))
+    out = checkpoint.export_fp8(model, state, args.out)
+    size = (out / "model-fp8.safetensors").stat().st_size
+    print(f"wrote {out} ({size / 2**20:.1f} MiB for {model.num_parameters():,} parameters)")
+    return 0
+
+
+COMMANDS = {"train": _train, "eval": _eval, "sample": _sample, "export-fp8": _export}

@@ -1,0 +1,189 @@
+"""Training: data never touches held-out text, the causal ∞-gram, checkpoints and resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import build_docs, random_documents
+from teralm.train.data import FragmentSampler, training_spans
+from teralm.train.evaluate import causal_infgram
+from test_features import doc_ids_of
+
+TINY = """
+[model]
+n_layer = 2
+n_head = 2
+d_model = 32
+max_seq_len = 32
+[train]
+batch_size = 4
+seq_len = 32
+max_steps = 40
+checkpoint_every = 8
+log_every = 1
+warmup_steps = 4
+holdout_every = 5
+"""
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    rng = np.random.default_rng(11)
+    docs = random_documents(rng, 40, alphabet="abcd", max_len=200)
+    return build_docs(tmp_path_factory.mktemp("corpus"), docs, shard_tokens=500)
+
+
+def test_fragments_avoid_held_out_documents(corpus):
+    ix = corpus
+    doc_ids = doc_ids_of(ix)
+    sampler = FragmentSampler(ix, seq_len=16, batch_size=8, seed=3, holdout_every=5)
+    spans = training_spans(ix, 5)
+    allowed = np.zeros(ix.num_tokens, dtype=bool)
+    for a, b in spans:
+        allowed[a:b] = True
+    assert (allowed == (doc_ids % 5 != 0)).all()
+    x = ix.tokens(0, ix.num_tokens)
+    for step in range(30):
+        batch = sampler.batch(step)
+        for row, target in zip(batch.tokens.numpy(), batch.targets.numpy()):
+            hits = [
+                s
+                for s in range(ix.num_tokens - 16)
+                if (x[s : s + 16] == row).all() and (x[s + 1 : s + 17] == target).all()
+            ]
+            assert any(allowed[s : s + 17].all() for s in hits)
+    again = FragmentSampler(ix, seq_len=16, batch_size=8, seed=3, holdout_every=5)
+    assert (again.batch(7).tokens == sampler.batch(7).tokens).all()
+
+
+def brute_causal(x, doc_ids, t, length):
+    """Longest suffix (<= length) of the context before t with an occurrence ending at p,
+    p + 1 < t, followed inside its document: (m, total, hits)."""
+    for m in range(length, 0, -1):
+        suffix = list(x[t - m : t])
+        total = hits = 0
+        for p in range(m - 1, t - 1):
+            if doc_ids[p - m + 1] != doc_ids[p] or doc_ids[p + 1] != doc_ids[p]:
+                continue
+            if list(x[p - m + 1 : p + 1]) == suffix:
+                total += 1
+                hits += int(x[p + 1] == x[t])
+        if total:
+            return m, total, hits
+    return 0, 0, 0
+
+
+def test_causal_infgram_equals_brute_force(corpus):
+    ix = corpus
+    x, doc_ids = ix.tokens(0, ix.num_tokens), doc_ids_of(ix)
+    lengths = ix.features(0, ix.num_tokens).match_len
+    for doc in range(0, ix.num_documents, 5):
+        start, stop = ix.document_range(doc)
+        if stop - start < 3:
+            continue
+        total, hits = causal_infgram(ix, start + 1, stop - start - 1, start)
+        for i, t in enumerate(range(start + 1, stop)):
+            _, want_total, want_hits = brute_causal(x, doc_ids, t, int(lengths[t - 1]))
+            assert (total[i], hits[i]) == (want_total, want_hits), (doc, t)
+
+
+def run_cli(*args, **kwargs):
+    return subprocess.run(
+        [sys.executable, "-m", "teralm.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        **kwargs,
+    )
+
+
+def losses(run) -> dict[int, float]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+
+
+def test_killed_run_resumes_to_the_same_losses(corpus, tmp_path):
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY)
+    whole = tmp_path / "whole"
+    done = run_cli(
+        "train", "--index", corpus.directory, "--out", whole, "--config", config, "--quiet"
+    )
+    assert done.returncode == 0, done.stderr
+    assert (whole / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+    cut = tmp_path / "cut"
+    args = ["train", "--index", corpus.directory, "--out", cut, "--config", config, "--quiet"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "teralm.cli", *map(str, args)], start_new_session=True
+    )
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        latest = cut / "latest.json"
+        if latest.exists() and json.loads(latest.read_text())["step"] >= 16:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    resumed = run_cli("train", "--index", corpus.directory, "--out", cut, "--resume", "--quiet")
+    assert resumed.returncode == 0, resumed.stderr
+    assert losses(cut) == losses(whole)
+
+    again = run_cli("train", "--index", corpus.directory, "--out", cut, "--config", config)
+    assert again.returncode == 1 and "--resume" in again.stderr
+
+
+def test_bad_checkpoints_get_clear_errors(corpus, tmp_path):
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY.replace("max_steps = 40", "max_steps = 8"))
+    run = tmp_path / "run"
+    done = run_cli(
+        "train", "--index", corpus.directory, "--out", run, "--config", config, "--quiet"
+    )
+    assert done.returncode == 0, done.stderr
+
+    other = tmp_path / "other.toml"
+    other.write_text(TINY.replace("d_model = 32", "d_model = 64"))
+    result = run_cli(
+        "train", "--index", corpus.directory, "--out", run, "--config", other, "--resume"
+    )
+    assert result.returncode == 1 and "d_model: 32 -> 64" in result.stderr
+    assert "Traceback" not in result.stderr
+
+    latest = json.loads((run / "latest.json").read_text())["checkpoint"]
+    weights = run / latest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    result = run_cli("eval", run, "--index", corpus.directory)
+    assert result.returncode == 1 and "truncated or damaged" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_eval_json_and_fp8_export(corpus, tmp_path):
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY.replace("max_steps = 40", "max_steps = 10"))
+    run = tmp_path / "run"
+    assert (
+        run_cli("train", "--index", corpus.directory, "--out", run, "--config", config).returncode
+        == 0
+    )
+    out = run_cli("eval", run, "--index", corpus.directory, "--json", "--quiet")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert set(result) >= {"metric", "model", "infgram", "interpolated", "tokens"}
+    assert result["metric"] == "bpb" and result["tokens"] > 0
+    assert result["interpolated"] <= result["model"] + 1e-9
+    exported = run_cli("export-fp8", run, "--out", tmp_path / "fp8")
+    assert exported.returncode == 0, exported.stderr
+    fp8 = json.loads(
+        run_cli("eval", tmp_path / "fp8", "--index", corpus.directory, "--json", "--quiet").stdout
+    )
+    assert fp8["tokens"] == result["tokens"]
+    assert abs(fp8["model"] - result["model"]) < 0.05 * result["model"]

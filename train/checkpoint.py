@@ -1,0 +1,165 @@
+"""Checkpoints: tensors in safetensors, everything else in JSON; never pickle.
+
+A checkpoint is a folder ``RUN/ckpt-STEP/`` (``model.safetensors``, ``optimizer.safetensors``,
+``state.json`` with the step, config, RNG state and the files' sha256), written under a temporary
+name and renamed; ``RUN/latest.json`` then names it (written atomically). A reader trusts only
+what ``latest.json`` names and checks the checksums, so a killed save is never loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from teralm.index import format as fmt
+from teralm.kernels.fp8 import E4M3, quantize_fp8
+
+LATEST = "latest.json"
+KEEP = 2
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The optimizer's state as (named tensors, JSON-able rest)."""
+    state = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for i, slots in state["state"].items():
+        for name, value in slots.items():
+            if torch.is_tensor(value):
+                tensors[f"{i}.{name}"] = value.detach().cpu().contiguous()
+            else:
+                scalars[f"{i}.{name}"] = value
+    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, tensors: dict, rest: dict) -> None:
+    state: dict = {}
+    for key, value in tensors.items():
+        i, name = key.split(".", 1)
+        state.setdefault(int(i), {})[name] = value
+    for key, value in rest["scalars"].items():
+        i, name = key.split(".", 1)
+        state.setdefault(int(i), {})[name] = value
+    optimizer.load_state_dict({"state": state, "param_groups": rest["param_groups"]})
+
+
+def save(run: Path, step: int, model: torch.nn.Module, optimizer, state: dict) -> Path:
+    """Write checkpoint ``step`` of ``run`` and point ``latest.json`` at it."""
+    final = run / f"ckpt-{step:08d}"
+    tmp = run / f".ckpt-{step:08d}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    save_file(weights, tmp / "model.safetensors")
+    opt_tensors, opt_rest = optimizer_tensors(optimizer)
+    opt_tensors["torch_rng"] = torch.get_rng_state()
+    save_file(opt_tensors, tmp / "optimizer.safetensors")
+    files = {name: _sha256(tmp / name) for name in ("model.safetensors", "optimizer.safetensors")}
+    record = {**state, "step": step, "optimizer": opt_rest, "files": files}
+    (tmp / "state.json").write_text(json.dumps(record, indent=1))
+    for path in tmp.iterdir():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    fmt.write_atomic(run / LATEST, json.dumps({"checkpoint": final.name, "step": step}).encode())
+    for old in sorted(run.glob("ckpt-*"))[:-KEEP]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest(run: Path) -> Path | None:
+    """The folder ``latest.json`` names, or None when the run has no checkpoint yet."""
+    pointer = run / LATEST
+    if not pointer.exists():
+        return None
+    try:
+        name = json.loads(pointer.read_text())["checkpoint"]
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{pointer} is damaged ({e}); delete it to start the run afresh") from None
+    return run / name
+
+
+def load(folder: Path) -> tuple[dict, dict, dict]:
+    """``(model tensors, optimizer tensors, state)``; ValueError naming a damaged file."""
+    try:
+        state = json.loads((folder / "state.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"checkpoint {folder} has no readable state.json ({e})") from None
+    for name, digest in state.get("files", {}).items():
+        path = folder / name
+        if not path.exists() or _sha256(path) != digest:
+            raise ValueError(f"checkpoint file {path} is missing, truncated or damaged")
+    try:
+        model = load_file(folder / "model.safetensors")
+        optimizer = load_file(folder / "optimizer.safetensors")
+    except (OSError, SafetensorError) as e:
+        raise ValueError(f"checkpoint {folder} cannot be read: {e}") from None
+    return model, optimizer, state
+
+
+def load_model_weights(path: Path) -> tuple[dict, dict]:
+    """Weights and config of a checkpoint folder or an fp8 export: ``(tensors, state)``.
+
+    fp8 exports hold ``NAME`` in e4m3 with ``NAME.scale``; they come back dequantised to fp32.
+    """
+    path = Path(path)
+    if (path / LATEST).exists():
+        path = latest(path)
+    if (path / "model.safetensors").exists() and (path / "state.json").exists():
+        tensors, _, state = load(path)
+        return tensors, state
+    try:
+        state = json.loads((path / "export.json").read_text())
+        raw = load_file(path / "model-fp8.safetensors")
+    except (OSError, ValueError, SafetensorError) as e:
+        raise ValueError(f"{path} is neither a run, a checkpoint nor an fp8 export ({e})") from None
+    tensors = {}
+    for name, value in raw.items():
+        if name.endswith(".scale"):
+            continue
+        scale = raw.get(f"{name}.scale")
+        tensors[name] = value.float() / scale if scale is not None else value.float()
+    return tensors, state
+
+
+def export_fp8(model: torch.nn.Module, state: dict, out: Path) -> Path:
+    """Write the model with every matrix in e4m3 (one byte per parameter) and its scale: one per
+    tensor for Linear weights (the scale fp8 training used), one per row for embeddings."""
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, value in model.state_dict().items():
+        value = value.detach().float().cpu()
+        if value.ndim != 2:
+            tensors[name] = value.contiguous()
+            continue
+        if "embed" in name:
+            amax = value.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+            scale = torch.finfo(E4M3).max / amax
+            q = (value * scale).to(E4M3)
+        else:
+            q, scale = quantize_fp8(value, E4M3)
+        tensors[name], tensors[f"{name}.scale"] = q.contiguous(), scale.reshape(-1).contiguous()
+        if scale.numel() > 1:
+            tensors[f"{name}.scale"] = scale.contiguous()
+    tmp = out / "model-fp8.safetensors.tmp"
+    save_file(tensors, tmp)
+    os.replace(tmp, out / "model-fp8.safetensors")
+    fmt.write_atomic(
+        out / "export.json",
+        json.dumps({"config": state["config"], "index": state.get("index")}).encode(),
+    )
+    return out

@@ -1,0 +1,144 @@
+"""Training settings, presets and TOML config files."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import tomllib
+from teralm.model.config import ModelConfig
+
+SCHEDULES = ("cosine", "wsd")
+
+
+@dataclass
+class TrainConfig:
+    """How to train: batch shape, optimizer, schedule, length and bookkeeping.
+
+    ``schedule``: ``cosine`` (linear warmup, cosine decay to ``min_lr_ratio``) or ``wsd``
+    (warmup, constant, then linear decay over the last ``decay_fraction`` of the steps).
+    ``holdout_every``: documents whose id is a multiple of it are held out (never trained on).
+    """
+
+    batch_size: int = 16
+    seq_len: int = 256
+    grad_accum: int = 1
+    max_steps: int = 1000
+    max_minutes: float = 0.0  # 0: no time limit
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    warmup_steps: int = 50
+    schedule: str = "cosine"
+    decay_fraction: float = 0.2
+    grad_clip: float = 1.0
+    checkpoint_every: int = 200
+    log_every: int = 10
+    compile: bool = False
+    seed: int = 0
+    holdout_every: int = 50
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}")
+        for name in ("batch_size", "seq_len", "grad_accum", "max_steps", "holdout_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict:
+        return {"model": self.model.to_dict(), "train": asdict(self.train)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RunConfig:
+        unknown = sorted(set(data) - {"model", "train"})
+        if unknown:
+            raise ValueError(f"unknown config sections: {', '.join(unknown)}")
+        names = {f.name for f in fields(TrainConfig)}
+        train = data.get("train", {})
+        bad = sorted(set(train) - names)
+        if bad:
+            raise ValueError(f"unknown train settings: {', '.join(bad)}")
+        return cls(ModelConfig.from_dict(data.get("model", {})), TrainConfig(**train))
+
+
+PRESETS: dict[str, dict] = {
+    # 2 CPU cores, about 12 minutes: a byte model that already uses its index input well
+    "tiny": {
+        "model": {"n_layer": 4, "n_head": 4, "d_model": 256, "max_seq_len": 256},
+        "train": {
+            "batch_size": 16,
+            "seq_len": 256,
+            "max_steps": 1200,
+            "lr": 3e-3,
+            "warmup_steps": 50,
+            "checkpoint_every": 200,
+        },
+    },
+    # GPU presets with TScale-like shapes
+    "125m": {
+        "model": {
+            "n_layer": 12,
+            "n_head": 12,
+            "d_model": 768,
+            "max_seq_len": 1024,
+            "attention": "tscale",
+            "window": 128,
+            "precision": "fp8",
+        },
+        "train": {
+            "batch_size": 32,
+            "seq_len": 1024,
+            "max_steps": 20000,
+            "lr": 1.5e-3,
+            "warmup_steps": 500,
+            "schedule": "wsd",
+            "checkpoint_every": 1000,
+            "compile": True,
+        },
+    },
+    "1.5b": {
+        "model": {
+            "n_layer": 24,
+            "n_head": 16,
+            "d_model": 2048,
+            "max_seq_len": 1024,
+            "attention": "tscale",
+            "window": 128,
+            "mlp": "swiglu",
+            "precision": "fp8",
+        },
+        "train": {
+            "batch_size": 16,
+            "seq_len": 1024,
+            "grad_accum": 4,
+            "max_steps": 50000,
+            "lr": 6e-4,
+            "warmup_steps": 1000,
+            "schedule": "wsd",
+            "checkpoint_every": 1000,
+            "compile": True,
+        },
+    },
+}
+
+
+def load_config(preset: str | None, path: Path | None) -> RunConfig:
+    """A preset's settings, or a TOML file's (``[model]`` and ``[train]`` tables)."""
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ValueError(f"cannot read config {path}: {e}") from None
+        return RunConfig.from_dict(data)
+    name = preset or "tiny"
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    return RunConfig.from_dict(PRESETS[name])

@@ -1,0 +1,90 @@
+"""Training batches: random fragments of the index's token stream with their stored features.
+
+Documents whose id is a multiple of ``holdout_every`` are held out: no fragment touches them. A
+fragment may cross the boundary between two training documents, as in a concatenated stream. The
+batch of step ``s`` depends only on ``(seed, s)``, so a resumed run sees what an uninterrupted
+one would have.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from teralm.index import Index
+
+
+@dataclass
+class Batch:
+    """``tokens[b, t]`` with its features ``next_token``/``match_len`` predicts ``targets[b, t]``."""
+
+    tokens: torch.Tensor
+    next_token: torch.Tensor
+    match_len: torch.Tensor
+    targets: torch.Tensor
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(*(t.to(device, non_blocking=True) for t in vars(self).values()))
+
+
+def held_out(doc: int, holdout_every: int) -> bool:
+    """The held-out rule: document ids that are multiples of ``holdout_every``."""
+    return doc % holdout_every == 0
+
+
+def training_spans(ix: Index, holdout_every: int) -> np.ndarray:
+    """``[start, stop)`` token ranges of consecutive training documents, as an [n, 2] array."""
+    docs = np.arange(ix.num_documents)
+    keep = docs % holdout_every != 0
+    offsets = np.asarray(ix.offsets, dtype=np.int64)
+    starts, stops = offsets[:-1][keep], offsets[1:][keep]
+    if len(starts) == 0:
+        return np.empty((0, 2), dtype=np.int64)
+    breaks = np.flatnonzero(starts[1:] != stops[:-1]) + 1
+    return np.stack(
+        [starts[np.r_[0, breaks]], stops[np.r_[breaks - 1, len(stops) - 1]]], axis=1
+    ).astype(np.int64)
+
+
+def fragment(ix: Index, start: int, length: int) -> tuple[np.ndarray, ...]:
+    """Tokens ``[start, start + length]`` split into inputs, their features, and targets."""
+    tokens = ix.tokens(start, start + length + 1).astype(np.int64)
+    features = ix.features(start, start + length)
+    return (
+        tokens[:-1],
+        features.next_token.astype(np.int64),
+        features.match_len.astype(np.int64),
+        tokens[1:],
+    )
+
+
+class FragmentSampler:
+    """Deterministic random fragments of ``seq_len + 1`` tokens from the training spans."""
+
+    def __init__(self, ix: Index, seq_len: int, batch_size: int, seed: int, holdout_every: int):
+        self.ix, self.seq_len, self.batch_size, self.seed = ix, seq_len, batch_size, seed
+        spans = training_spans(ix, holdout_every)
+        room = spans[:, 1] - spans[:, 0] - seq_len  # fragment starts per span
+        self.spans = spans[room > 0]
+        self.cumulative = np.cumsum(room[room > 0])
+        if len(self.spans) == 0:
+            raise ValueError(
+                f"no training text of {seq_len + 1} tokens in a row: the index is too small "
+                "for this seq_len (or every document is held out)"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        """Training tokens the fragments are drawn from."""
+        return int((self.spans[:, 1] - self.spans[:, 0]).sum())
+
+    def batch(self, step: int, micro: int = 0) -> Batch:
+        """Micro-batch ``micro`` of step ``step``."""
+        rng = np.random.default_rng([self.seed, step, micro])
+        picks = rng.integers(0, int(self.cumulative[-1]), size=self.batch_size)
+        span = np.searchsorted(self.cumulative, picks, side="right")
+        before = np.where(span > 0, self.cumulative[np.maximum(span - 1, 0)], 0)
+        starts = self.spans[span, 0] + (picks - before)
+        parts = [fragment(self.ix, int(s), self.seq_len) for s in starts]
+        return Batch(*(torch.from_numpy(np.stack(column)) for column in zip(*parts)))

@@ -1,0 +1,153 @@
+"""``teralm eval``: held-out bits per byte (byte indexes) or perplexity (BPE) of a run's model,
+of the ∞-gram alone, and of the two interpolated.
+
+Nothing sees the text it scores. The model's index input is the stored causal features (each
+looks only at earlier positions). The ∞-gram at position ``t`` counts only occurrences that end
+before ``t - 1``, so their followers lie before ``t`` (teralm.kernels.query.causal_counts), starting
+from the stored longest earlier match.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from teralm.index import Index
+from teralm.index import format as fmt
+from teralm.kernels import query as kq
+from teralm.model import ModelConfig, Transformer
+from teralm.train import checkpoint
+from teralm.train.data import fragment, held_out
+from teralm.train.loop import autocast
+from tqdm import tqdm
+
+INFGRAM_EPSILON = 0.01  # the ∞-gram alone mixes in this much of the uniform distribution
+LAMBDAS = np.round(np.arange(0.05, 1.0, 0.05), 2)
+EXACT_LIMIT = 1 << 14
+
+
+def load_model(run: Path, device: torch.device) -> tuple[Transformer, dict]:
+    """The run's latest checkpoint (or an fp8 export) as a model in eval mode, and its state."""
+    tensors, state = checkpoint.load_model_weights(run)
+    model = Transformer(ModelConfig.from_dict(state["config"]["model"]))
+    model.load_state_dict(tensors)
+    return model.to(device).eval(), state
+
+
+@dataclass
+class Scores:
+    """Per scored token: log-probability under the model, and the causal ∞-gram counts."""
+
+    model_logp: np.ndarray
+    total: np.ndarray
+    hits: np.ndarray
+
+
+def held_out_windows(ix: Index, holdout_every: int, seq_len: int, max_tokens: int):
+    """``(start, length)`` windows over the held-out documents, in id order, until
+    ``max_tokens`` targets are covered (each window predicts tokens ``start+1 .. start+length``)."""
+    covered = 0
+    for doc in range(0, ix.num_documents, holdout_every):
+        if not held_out(doc, holdout_every):
+            continue
+        start, stop = ix.document_range(doc)
+        for a in range(start, stop - 1, seq_len):
+            length = min(seq_len, stop - 1 - a, max_tokens - covered)
+            if length <= 0:
+                return
+            yield a, length
+            covered += length
+
+
+def causal_infgram(
+    ix: Index, first: int, count: int, doc_start: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(total, hits)``: the ∞-gram counts of target positions ``first .. first+count-1`` seeing
+    only earlier text, each starting from the stored longest earlier match of its context (which
+    never reaches before ``doc_start``, the scored document's start)."""
+    engine = ix.query
+    lengths = ix.features(first - 1, first + count - 1).match_len.astype(np.int64)
+    reach = max(doc_start, first - 1 - int(lengths.max(initial=0)))
+    text = ix.tokens(reach, first + count).astype(np.int64)
+    ends = np.arange(first, first + count) - reach  # context of target t ends at t - 1
+    begins = np.maximum(ends - lengths, doc_start - reach)
+    parts = [text[b:e] for b, e in zip(begins, ends)]
+    ctx_starts = np.zeros(count + 1, dtype=np.int64)
+    np.cumsum([len(p) for p in parts], out=ctx_starts[1:])
+    out = kq.causal_counts(
+        engine._kernel_shards,
+        engine.buckets,
+        engine.elem_bits,
+        fmt.KEY_SAMPLE,
+        engine.doc_bits,
+        engine.separator,
+        np.concatenate(parts),
+        ctx_starts,
+        np.arange(first, first + count, dtype=np.int64),
+        text[ends],
+        EXACT_LIMIT,
+    )
+    return out[:, 1], out[:, 2]
+
+
+@torch.no_grad()
+def score(
+    ix: Index,
+    model: Transformer,
+    holdout_every: int,
+    max_tokens: int,
+    device: torch.device,
+    progress: bool = True,
+) -> Scores:
+    """Model log-probabilities and ∞-gram counts of the held-out targets."""
+    cfg = model.cfg
+    logps, totals, hits = [], [], []
+    windows = list(held_out_windows(ix, holdout_every, cfg.max_seq_len, max_tokens))
+    for a, length in tqdm(windows, desc="eval", unit="window", disable=not progress):
+        tokens, next_token, match_len, targets = (
+            torch.from_numpy(x)[None].to(device) for x in fragment(ix, a, length)
+        )
+        with autocast(device, cfg.precision):
+            logits = model(tokens, next_token, match_len)
+        logp = torch.log_softmax(logits.float(), dim=-1)[0].gather(1, targets[0][:, None])[:, 0]
+        logps.append(logp.cpu().numpy().astype(np.float64))
+        doc = int(np.searchsorted(ix.offsets, a, side="right")) - 1
+        total, hit = causal_infgram(ix, a + 1, length, int(ix.offsets[doc]))
+        totals.append(total)
+        hits.append(hit)
+    if not windows:
+        raise ValueError("no held-out text to score: the index has no held-out documents")
+    return Scores(np.concatenate(logps), np.concatenate(totals), np.concatenate(hits))
+
+
+def summarize(scores: Scores, vocab_size: int, byte_level: bool) -> dict:
+    """bpb (bytes) or perplexity (BPE) for the model, the ∞-gram alone and the interpolation at
+    the best fixed weight λ on a grid (chosen on the scored text: the interpolation's best case)."""
+    p_model = np.exp(scores.model_logp)
+    seen = scores.total > 0
+    p_inf = np.where(seen, scores.hits / np.maximum(scores.total, 1), 0.0)
+    p_alone = np.where(
+        seen, (1 - INFGRAM_EPSILON) * p_inf + INFGRAM_EPSILON / vocab_size, 1 / vocab_size
+    )
+
+    def metric(p: np.ndarray) -> float:
+        nats = -np.log(np.maximum(p, 1e-300)).mean()
+        return float(nats / math.log(2)) if byte_level else float(math.exp(nats))
+
+    mixes = {
+        float(lam): metric(np.where(seen, lam * p_model + (1 - lam) * p_inf, p_model))
+        for lam in LAMBDAS
+    }
+    best = min(mixes, key=mixes.get)
+    return {
+        "metric": "bpb" if byte_level else "ppl",
+        "model": metric(p_model),
+        "infgram": metric(p_alone),
+        "interpolated": mixes[best],
+        "lambda": best,
+        "tokens": int(len(p_model)),
+        "infgram_coverage": float(seen.mean()),
+    }

@@ -1,0 +1,214 @@
+"""``teralm train``: the training loop with index features, checkpoints and resume."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from teralm.index import Index
+from teralm.model import Transformer
+from teralm.model.transformer import lm_loss
+from teralm.train import checkpoint
+from teralm.train.config import RunConfig, TrainConfig
+from teralm.train.data import FragmentSampler
+from tqdm import tqdm
+
+METRICS = "metrics.jsonl"
+# settings that may change when a run is resumed (its length); anything else must match
+RESUMABLE_CHANGES = {"max_steps", "max_minutes", "checkpoint_every", "log_every"}
+
+
+def index_identity(ix: Index) -> dict:
+    """What a model trained on an index depends on: its tokens and tokenizer."""
+    m = ix.manifest
+    return {
+        "directory": str(ix.directory.resolve()),
+        "tokenizer": m["tokenizer"],
+        "tokenizer_sha256": m.get("tokenizer_sha256"),
+        "vocab_size": m["vocab_size"],
+        "num_tokens": m["num_tokens"],
+        "max_match": m["max_match"],
+    }
+
+
+def learning_rate(cfg: TrainConfig, step: int) -> float:
+    """Warmup, then cosine decay to ``min_lr_ratio`` or warmup-stable-decay (WSD)."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    floor = cfg.lr * cfg.min_lr_ratio
+    if cfg.schedule == "wsd":
+        decay_start = int(cfg.max_steps * (1 - cfg.decay_fraction))
+        if step < decay_start:
+            return cfg.lr
+        frac = (step - decay_start) / max(1, cfg.max_steps - decay_start)
+        return cfg.lr - (cfg.lr - floor) * min(frac, 1.0)
+    frac = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; matrices decay, vectors (norm weights, biases) do not."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": rest, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=False)
+
+
+def autocast(device: torch.device, precision: str):
+    """bf16 autocast for every precision but fp32 (fp8/int8 Linear layers quantise inside)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision != "fp32")
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    final_loss: float
+    tokens: int
+    wall_s: float
+    stopped: str  # "max_steps" or "max_minutes"
+
+
+def check_resumable(saved: dict, config: RunConfig, identity: dict) -> None:
+    """Refuse to resume a run whose model, training settings or index differ."""
+    old = RunConfig.from_dict(saved["config"])
+    if old.model != config.model:
+        diff = [
+            f"{k}: {v!r} -> {config.model.to_dict()[k]!r}"
+            for k, v in old.model.to_dict().items()
+            if config.model.to_dict()[k] != v
+        ]
+        raise ValueError("the run was trained with another model config (" + ", ".join(diff) + ")")
+    new_train = asdict(config.train)
+    changed = [k for k, v in asdict(old.train).items() if new_train[k] != v]
+    if set(changed) - RESUMABLE_CHANGES:
+        raise ValueError(
+            "the run was trained with other settings: "
+            + ", ".join(sorted(set(changed) - RESUMABLE_CHANGES))
+        )
+    for key in ("tokenizer", "tokenizer_sha256", "vocab_size", "num_tokens"):
+        if saved["index"].get(key) != identity[key]:
+            raise ValueError(f"the run was trained on another index ({key} differs)")
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Keep the metric lines of steps up to ``step`` (a resumed run redoes the rest)."""
+    if not path.exists():
+        return
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def train(
+    ix: Index,
+    config: RunConfig,
+    run: Path,
+    resume: bool = False,
+    progress: bool = True,
+    device: torch.device | None = None,
+) -> TrainResult:
+    """Train (or continue) the run in folder ``run``."""
+    device = device or default_device()
+    cfg = config.train
+    config.model.vocab_size, config.model.max_match = ix.vocab_size, ix.max_match
+    config.model.max_seq_len = max(config.model.max_seq_len, cfg.seq_len)
+    identity = index_identity(ix)
+    run.mkdir(parents=True, exist_ok=True)
+    folder = checkpoint.latest(run)
+    if folder is not None and not resume:
+        raise ValueError(
+            f"{run} already holds a run: pass --resume to continue it, or another --out"
+        )
+
+    torch.manual_seed(cfg.seed)
+    model = Transformer(config.model).to(device)
+    optimizer = make_optimizer(model, cfg)
+    start, tokens_done, wall_before = 0, 0, 0.0
+    if folder is not None:
+        weights, opt_tensors, state = checkpoint.load(folder)
+        check_resumable(state, config, identity)
+        model.load_state_dict(weights)
+        torch.set_rng_state(opt_tensors.pop("torch_rng"))
+        checkpoint.restore_optimizer(optimizer, opt_tensors, state["optimizer"])
+        start, tokens_done, wall_before = state["step"], state["tokens"], state["wall_s"]
+    _truncate_metrics(run / METRICS, start)
+    forward = torch.compile(model) if cfg.compile else model
+    sampler = FragmentSampler(ix, cfg.seq_len, cfg.batch_size, cfg.seed, cfg.holdout_every)
+    (run / "config.json").write_text(
+        json.dumps({"config": config.to_dict(), "index": identity}, indent=1)
+    )
+
+    def save(step: int) -> None:
+        state = {
+            "config": config.to_dict(),
+            "index": identity,
+            "tokens": tokens_done,
+            "wall_s": wall_before + time.perf_counter() - t0,
+        }
+        checkpoint.save(run, step, model, optimizer, state)
+
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
+    t0 = time.perf_counter()
+    last_log, loss_value, stopped, step = t0, float("nan"), "max_steps", start
+    bar = tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step", disable=not progress)
+    with open(run / METRICS, "a") as metrics:
+        for step in range(start, cfg.max_steps):
+            if cfg.max_minutes and wall_before + time.perf_counter() - t0 > 60 * cfg.max_minutes:
+                stopped = "max_minutes"
+                break
+            lr = learning_rate(cfg, step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            total = 0.0
+            for micro in range(cfg.grad_accum):
+                batch = sampler.batch(step, micro).to(device)
+                with autocast(device, config.model.precision):
+                    logits = forward(batch.tokens, batch.next_token, batch.match_len)
+                loss = lm_loss(logits, batch.targets) / cfg.grad_accum
+                loss.backward()
+                total += loss.item()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            tokens_done += tokens_per_step
+            loss_value = total
+            now = time.perf_counter()
+            if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.max_steps:
+                rate = tokens_per_step * cfg.log_every / max(now - last_log, 1e-9)
+                last_log = now
+                record = {
+                    "step": step + 1,
+                    "loss": loss_value,
+                    "lr": lr,
+                    "tokens": tokens_done,
+                    "tok_per_s": rate,
+                    "elapsed_s": wall_before + now - t0,
+                }
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+                bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{rate:,.0f}")
+            bar.update(1)
+            if (step + 1) % cfg.checkpoint_every == 0:
+                save(step + 1)
+        else:
+            step = cfg.max_steps
+    bar.close()
+    if (
+        checkpoint.latest(run) is None
+        or json.loads((run / checkpoint.LATEST).read_text())["step"] != step
+    ):
+        save(step)
+    return TrainResult(
+        step, loss_value, tokens_done, wall_before + time.perf_counter() - t0, stopped
+    )
