@@ -3,8 +3,9 @@ online matcher that gives new text the same features the corpus has in training.
 
 All searches run over the shards' ``.prefix`` files (positions sorted by reversed context). The
 occurrences of a context's suffix form one rank range per shard, found by one binary search for
-the context's insertion point and a gallop outwards (see teralm.kernels.query). A batch is one
-compiled call. Results do not depend on how the corpus was sharded.
+the context's insertion point and a gallop outwards (see teralm.kernels.query); the tokens that
+follow them are slices of the ``.follow`` files. A batch is one compiled call. Exact results do not
+depend on how the corpus was sharded.
 """
 
 from __future__ import annotations

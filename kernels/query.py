@@ -2,9 +2,10 @@
 
 Key element ``j`` of position ``p`` is ``x[p-j]`` while that lies inside the document and no more
 than ``overlap`` tokens before the shard, then the separator. A query (a context read backwards)
-is looked up by one binary search for its insertion point; the entries sharing most elements with
-it sit next to that point, and those sharing ``l`` elements form a block around it, found by
-galloping outwards.
+is looked up by one binary search for its insertion point (first over the bucket table and the
+sampled key words of ``.keys``, then over ``.prefix`` itself); the entries sharing most elements
+with it sit next to that point, and those sharing ``l`` elements form a block around it, found by
+galloping outwards. The tokens that follow a block are one contiguous slice of ``.follow``.
 """
 
 from __future__ import annotations

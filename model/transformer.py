@@ -100,18 +100,41 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim)
         self.window = cfg.window if cfg.windowed(layer) else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        past: tuple[torch.Tensor, torch.Tensor] | None = None,
+        key_pos: torch.Tensor | None = None,
+        query_pos: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Attention output and this call's keys and values ``[B, H, T, D]`` (for a cache).
+
+        Without positions, ``x`` is one causal sequence per row (training). With them, rows
+        attend to ``past`` keys and values, then to their own: ``key_pos[b]`` gives the position
+        of every key (-1 for padding), ``query_pos[b]`` that of every query."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
         q = apply_rope(self.q_norm(q), cos, sin)
         k = apply_rope(self.k_norm(k), cos, sin)
-        if self.window is None or self.window >= T:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        new = (k, v)
+        if key_pos is None:
+            if self.window is None or self.window >= T:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                i = torch.arange(T, device=x.device)
+                band = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < self.window)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=band)
         else:
-            i = torch.arange(T, device=x.device)
-            band = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < self.window)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=band)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+            if past is not None:
+                k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)
+            gap = query_pos[:, :, None] - key_pos[:, None, :]
+            mask = (key_pos[:, None, :] >= 0) & (gap >= 0)
+            if self.window is not None:
+                mask &= gap < self.window
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+        return self.proj(y.transpose(1, 2).reshape(B, T, C)), new
 
 
 class MLP(nn.Module):
@@ -141,9 +164,11 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.mlp(self.mlp_norm(x))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *cache_args):
+        """The block's output, and its attention's new keys and values (see Attention)."""
+        attended, new = self.attn(self.attn_norm(x), cos, sin, *cache_args)
+        x = x + attended
+        return x + self.mlp(self.mlp_norm(x)), new
 
 
 class Transformer(nn.Module):
@@ -173,6 +198,40 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"sequence of {T} tokens is longer than max_seq_len {self.cfg.max_seq_len}"
             )
+        x = self._embed(tokens, next_token, match_len)
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        for block in self.blocks:
+            x, _ = block(x, cos, sin)
+        return self._head(x)
+
+    def decode(
+        self,
+        tokens: torch.Tensor,
+        next_token: torch.Tensor,
+        match_len: torch.Tensor,
+        past: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        past_len: torch.Tensor,
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Logits of ``tokens`` [B, T] that continue cached sequences, and their keys/values.
+
+        ``past[layer]`` holds keys and values ``[B, H, L, D]`` of earlier positions, row ``b``
+        valid for its first ``past_len[b]`` entries (None when nothing is cached)."""
+        B, T = tokens.shape
+        L = past[0][0].shape[2] if past else 0
+        query_pos = past_len[:, None] + torch.arange(T, device=tokens.device)
+        if int(query_pos.max()) >= self.cfg.max_seq_len:
+            raise ValueError(f"positions beyond max_seq_len {self.cfg.max_seq_len}")
+        slots = torch.arange(L, device=tokens.device).expand(B, L)
+        key_pos = torch.cat((torch.where(slots < past_len[:, None], slots, -1), query_pos), dim=1)
+        cos, sin = self.rope_cos[query_pos][:, None], self.rope_sin[query_pos][:, None]
+        x = self._embed(tokens, next_token, match_len)
+        new = []
+        for i, block in enumerate(self.blocks):
+            x, kv = block(x, cos, sin, past[i] if past else None, key_pos, query_pos)
+            new.append(kv)
+        return self._head(x), new
+
+    def _embed(self, tokens, next_token, match_len) -> torch.Tensor:
         x = self.embed(tokens)
         if self.index_input is not None:
             if next_token is None or match_len is None:
@@ -180,9 +239,9 @@ class Transformer(nn.Module):
                     "this model was built with index input: pass next_token and match_len"
                 )
             x = self.index_input(x, next_token, match_len)
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-        for block in self.blocks:
-            x = block(x, cos, sin)
+        return x
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self.norm(x), self.embed.weight)
 
     def num_parameters(self) -> int:

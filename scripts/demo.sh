@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # End to end on the embedded default corpus (the Python standard library's .py files, no download):
-# build the causal lookup index, verify it, and show what the index tells about a document.
+# build the causal lookup index, verify it, show what the index tells about a document, train the
+# tiny model with index lookup for a few minutes, and sample from it with and without the index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -28,3 +29,9 @@ PY
 echo
 echo "teralm query runs/stdlib-index 'def __init__(self, '"
 teralm query runs/stdlib-index "def __init__(self, "
+
+echo
+echo "teralm train --index runs/stdlib-index --out runs/stdlib-tiny --preset tiny --max-steps 150"
+teralm train --index runs/stdlib-index --out runs/stdlib-tiny --preset tiny --max-steps 150 --resume
+echo
+teralm sample runs/stdlib-tiny --index runs/stdlib-index --prompt "    def __init__(self" --tokens 160

@@ -40,6 +40,21 @@ def add_parsers(sub) -> None:
     s.add_argument("--temperature", type=float, default=0.8)
     s.add_argument("--seed", type=int, default=0)
 
+    v = sub.add_parser("serve", help="serve a run and its index over HTTP (OpenAI-compatible)")
+    v.add_argument("--index", type=Path, required=True)
+    v.add_argument("--run", type=Path, required=True, help="run folder or fp8 export")
+    v.add_argument("--host", default="127.0.0.1", help="interface to bind (default: local only)")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY'; 'env' reads TERALM_API_KEY",
+    )
+    v.add_argument("--max-tokens", type=int, default=1024, help="limit per request")
+    v.add_argument("--max-prompt-tokens", type=int, default=4096)
+    v.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
+    v.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+
     x = sub.add_parser("export-fp8", help="write a run's model with fp8 weights")
     x.add_argument("run", type=Path)
     x.add_argument("--out", type=Path, required=True)
@@ -158,4 +173,54 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "eval": _eval, "sample": _sample, "export-fp8": _export}
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    import torch
+    import uvicorn
+
+    from teralm.index import Index
+    from teralm.server.app import create_app
+    from teralm.server.engine import Engine
+    from teralm.server.protocol import Limits
+    from teralm.train.evaluate import load_model
+    from teralm.train.loop import default_device, index_identity
+
+    key = os.environ.get("TERALM_API_KEY") if args.api_key == "env" else args.api_key
+    if args.api_key == "env" and not key:
+        return _fail("serve", "--api-key env, but TERALM_API_KEY is not set")
+    try:
+        ix = Index.open(args.index)
+        device = default_device()
+        model, state = load_model(args.run, device)
+        trained_on = state.get("index") or {}
+        here = index_identity(ix)
+        for field in ("tokenizer", "tokenizer_sha256", "vocab_size"):
+            if trained_on.get(field) != here[field]:
+                raise ValueError(
+                    f"the model was trained with another tokenizer than this index's ({field}: "
+                    f"{trained_on.get(field)!r} vs {here[field]!r})"
+                )
+    except ValueError as e:
+        return _fail("serve", str(e))
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    ix.longest_match([[0]])  # compile and warm the query kernels before the first request
+    engine = Engine(model, ix, max_batch=args.max_batch)
+    limits = Limits(
+        max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens, timeout_s=args.timeout
+    )
+    name = f"teralm-{args.run.resolve().name}"
+    app = create_app(engine, name, limits, key)
+    print(f"serving {name} with {args.index} on http://{args.host}:{args.port}", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    engine.close()
+    return 0
+
+
+COMMANDS = {
+    "serve": _serve,
+    "train": _train,
+    "eval": _eval,
+    "sample": _sample,
+    "export-fp8": _export,
+}

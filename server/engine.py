@@ -1,0 +1,263 @@
+"""The generation engine: one model and one index shared by every request.
+
+A worker thread owns the model. Each loop it admits waiting sequences (one prefill each), samples
+one token for every active sequence, looks each new token up in the index (the online matcher, so
+the model sees the features it was trained with), then runs one batched decode step over all
+active sequences with their KV caches padded to a common length. Requests talk to it through
+``Sequence`` objects: events come back through a callback, and ``cancel()`` stops one.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from teralm.index import Index
+from teralm.index.query import OnlineMatcher
+from teralm.model import Transformer
+from teralm.train.loop import autocast
+
+
+@dataclass
+class Sampling:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    seed: int | None = None
+
+
+@dataclass
+class TokenEvent:
+    """One token: its id, log-probability, the top alternatives, and whether it is a prompt
+    token (echo). ``finish`` is set on the sequence's last event ("length", "stop", ...)."""
+
+    token: int | None
+    logprob: float | None = None
+    top: dict[int, float] | None = None
+    prompt: bool = False
+    finish: str | None = None
+
+
+@dataclass
+class Sequence:
+    prompt: list[int]
+    sampling: Sampling
+    on_event: Callable[[TokenEvent], None]
+    tokens: list[int] = field(default_factory=list)
+    features: list[tuple[int, int]] = field(default_factory=list)
+    generated: int = 0
+    cancelled: bool = False
+    done: bool = False
+    cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer, [H, L, D]
+    cache_start: int = 0  # the token the cache's first entry belongs to
+    logits: torch.Tensor | None = None  # for the next token
+    matcher: OnlineMatcher | None = None
+    generator: torch.Generator | None = None
+
+    def cancel(self) -> None:
+        """Stop generating (client gone, stop string found, timeout); no more events."""
+        self.cancelled = True
+
+
+@dataclass
+class EngineStats:
+    tokens: int = 0
+    prompt_tokens: int = 0
+    model_s: float = 0.0
+    lookup_s: float = 0.0
+    steps: int = 0
+
+
+class Engine:
+    def __init__(self, model: Transformer, index: Index, max_batch: int = 16):
+        self.model = model.eval()
+        self.index = index
+        self.device = next(model.parameters()).device
+        self.max_batch = max_batch
+        self.waiting: queue.Queue[Sequence] = queue.Queue()
+        self.active: list[Sequence] = []
+        self.stats = EngineStats()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="teralm-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def queue_depth(self) -> int:
+        return self.waiting.qsize()
+
+    def submit(self, seq: Sequence) -> Sequence:
+        self.waiting.put(seq)
+        return seq
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    # -- the worker thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stop.is_set():
+            self._admit()
+            if not self.active:
+                continue
+            for seq in self.active:
+                self._sample(seq)
+            self.active = [s for s in self.active if not (s.done or s.cancelled)]
+            if self.active:
+                self._decode(self.active)
+
+    def _admit(self) -> None:
+        while len(self.active) < self.max_batch:
+            try:
+                seq = self.waiting.get(timeout=0.05 if not self.active else 0)
+            except queue.Empty:
+                return
+            if seq.cancelled:
+                continue
+            try:
+                self._prefill(seq)
+            except Exception as e:  # a failed request must not take the engine down
+                seq.on_event(TokenEvent(None, finish=f"error: {e}"))
+                continue
+            self.active.append(seq)
+
+    def _features(self, seq: Sequence, token: int) -> tuple[int, int]:
+        began = time.perf_counter()
+        features = seq.matcher.push(token)
+        self.stats.lookup_s += time.perf_counter() - began
+        return features
+
+    def _prefill(self, seq: Sequence) -> None:
+        seq.matcher = OnlineMatcher(self.index)
+        seq.generator = torch.Generator().manual_seed(
+            seq.sampling.seed if seq.sampling.seed is not None else int(time.time_ns() % 2**62)
+        )
+        seq.tokens = list(seq.prompt)
+        seq.features = [self._features(seq, t) for t in seq.prompt]
+        self.stats.prompt_tokens += len(seq.prompt)
+        window = self.model.cfg.max_seq_len
+        logits = self._forward_fresh(seq, max(0, len(seq.tokens) - window))
+        if seq.sampling.echo:
+            self._echo(seq, logits)
+        if seq.sampling.max_tokens == 0:
+            seq.done = True
+            seq.on_event(TokenEvent(None, finish="length"))
+
+    def _forward_fresh(self, seq: Sequence, start: int) -> torch.Tensor:
+        """Run ``tokens[start:]`` from an empty cache; keep the cache and the last logits."""
+        tokens = seq.tokens[start:]
+        feats = seq.features[start:]
+        as_row = lambda xs: torch.tensor([xs], dtype=torch.long, device=self.device)  # noqa: E731
+        began = time.perf_counter()
+        with autocast(self.device, self.model.cfg.precision):
+            logits, kv = self.model.decode(
+                as_row(tokens),
+                as_row([f[1] for f in feats]),
+                as_row([f[0] for f in feats]),
+                None,
+                torch.zeros(1, dtype=torch.long, device=self.device),
+            )
+        self.stats.model_s += time.perf_counter() - began
+        seq.cache = [(k[0], v[0]) for k, v in kv]
+        seq.cache_start = start
+        seq.logits = logits[0, -1].float()
+        return logits[0].float()
+
+    def _echo(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Events for the prompt tokens: each one's log-probability given those before it."""
+        logp = F.log_softmax(logits, dim=-1)
+        offset = len(seq.prompt) - logits.shape[0]  # prompt tokens before the window
+        for i, token in enumerate(seq.prompt):
+            row = i - 1 - offset
+            if row < 0:
+                seq.on_event(TokenEvent(token, None, None, prompt=True))
+                continue
+            seq.on_event(
+                TokenEvent(token, float(logp[row, token]), self._top(seq, logp[row]), True)
+            )
+
+    def _top(self, seq: Sequence, logp: torch.Tensor) -> dict[int, float] | None:
+        n = seq.sampling.logprobs
+        if not n:
+            return None
+        values, ids = torch.topk(logp, min(n, logp.shape[0]))
+        return {int(i): float(v) for i, v in zip(ids, values)}
+
+    def _sample(self, seq: Sequence) -> None:
+        if seq.done or seq.cancelled:
+            return
+        s = seq.sampling
+        logits = seq.logits
+        if s.temperature <= 0:
+            token = int(logits.argmax())
+        else:
+            scaled = logits / s.temperature
+            if s.top_k:
+                cutoff = torch.topk(scaled, min(s.top_k, scaled.shape[0])).values[-1]
+                scaled = scaled.masked_fill(scaled < cutoff, float("-inf"))
+            if s.top_p < 1.0:
+                order = torch.argsort(scaled, descending=True)
+                mass = torch.softmax(scaled[order], dim=-1).cumsum(0)
+                drop = order[(mass - torch.softmax(scaled[order], dim=-1)) >= s.top_p]
+                scaled[drop] = float("-inf")
+            token = int(torch.multinomial(torch.softmax(scaled, -1), 1, generator=seq.generator))
+        logp = F.log_softmax(logits, dim=-1)
+        seq.tokens.append(token)
+        seq.generated += 1
+        self.stats.tokens += 1
+        finish = "length" if seq.generated >= s.max_tokens else None
+        event = TokenEvent(token, float(logp[token]), self._top(seq, logp), finish=finish)
+        seq.done = finish is not None
+        seq.on_event(event)
+        if not seq.done and not seq.cancelled:
+            seq.features.append(self._features(seq, token))
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        """One batched step: the last token of every sequence against its cache."""
+        window = self.model.cfg.max_seq_len
+        ready = []
+        for seq in seqs:
+            if len(seq.tokens) - seq.cache_start > window:  # context full: keep its second half
+                self._forward_fresh(seq, len(seq.tokens) - window // 2)
+            else:
+                ready.append(seq)
+        if not ready:
+            return
+        lengths = [s.cache[0][0].shape[1] for s in ready]
+        longest = max(lengths)
+        past = []
+        for layer in range(len(self.model.blocks)):
+            keys, values = [], []
+            for s in ready:
+                k, v = s.cache[layer]
+                pad = longest - k.shape[1]
+                keys.append(F.pad(k, (0, 0, 0, pad)))
+                values.append(F.pad(v, (0, 0, 0, pad)))
+            past.append((torch.stack(keys), torch.stack(values)))
+        column = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)[:, None]  # noqa: E731
+        began = time.perf_counter()
+        with autocast(self.device, self.model.cfg.precision):
+            logits, new = self.model.decode(
+                column([s.tokens[-1] for s in ready]),
+                column([s.features[-1][1] for s in ready]),
+                column([s.features[-1][0] for s in ready]),
+                past,
+                torch.tensor(lengths, device=self.device),
+            )
+        self.stats.model_s += time.perf_counter() - began
+        self.stats.steps += 1
+        for b, s in enumerate(ready):
+            s.cache = [
+                (torch.cat((k, nk[b]), dim=1), torch.cat((v, nv[b]), dim=1))
+                for (k, v), (nk, nv) in zip(s.cache, new)
+            ]
+            s.logits = logits[b, -1].float()

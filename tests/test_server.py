@@ -1,0 +1,284 @@
+"""A real `teralm serve` on 127.0.0.1, driven by the official openai client and raw HTTP."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import build_docs, random_documents
+from teralm.model import ModelConfig
+from teralm.train.config import RunConfig, TrainConfig
+from teralm.train.evaluate import load_model
+from teralm.train.generate import generate
+from teralm.train.loop import train
+
+KEY = "test-key-123"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    base = tmp_path_factory.mktemp("serve")
+    rng = np.random.default_rng(21)
+    ix = build_docs(base / "corpus", random_documents(rng, 30, alphabet="abcde", max_len=300))
+    config = RunConfig(
+        ModelConfig(n_layer=2, n_head=2, d_model=32, max_seq_len=48, attention="tscale", window=8),
+        TrainConfig(batch_size=4, seq_len=32, max_steps=30, warmup_steps=3, holdout_every=10),
+    )
+    train(ix, config, base / "run", progress=False)
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "teralm.cli",
+        "serve",
+        "--index",
+        ix.directory,
+        "--run",
+        base / "run",
+        "--port",
+        port,
+        "--api-key",
+        KEY,
+        "--max-tokens",
+        200,
+        "--timeout",
+        60,
+    ]
+    proc = subprocess.Popen(
+        list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        try:
+            status, _ = request(port, "GET", "/health")
+            if status == 200:
+                break
+        except OSError:
+            time.sleep(0.3)
+        assert proc.poll() is None, proc.stdout.read()
+    model, _ = load_model(base / "run", torch.device("cpu"))
+    yield {"port": port, "ix": ix, "model": model, "name": f"teralm-{(base / 'run').name}"}
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def request(port, method, path, body=None, key=KEY, raw: bytes | None = None, headers=None):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    h = {"Content-Type": "application/json", **(headers or {})}
+    if key:
+        h["Authorization"] = f"Bearer {key}"
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    conn.request(method, path, body=data, headers=h)
+    response = conn.getresponse()
+    payload = response.read()
+    conn.close()
+    try:
+        return response.status, json.loads(payload)
+    except ValueError:
+        return response.status, payload.decode()
+
+
+def client(served):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"http://127.0.0.1:{served['port']}/v1", api_key=KEY, max_retries=0)
+
+
+def reference(served, prompt: str, n: int) -> str:
+    ix = served["ix"]
+    out = generate(served["model"], ix, ix.encode(prompt), n, temperature=0)
+    return ix.decode(out)
+
+
+def test_openai_client_completion_equals_local_greedy(served):
+    got = client(served).completions.create(
+        model=served["name"], prompt="abcab", max_tokens=30, temperature=0
+    )
+    assert got.choices[0].text == reference(served, "abcab", 30)
+    assert got.choices[0].finish_reason == "length"
+    assert got.usage.prompt_tokens == 5 and got.usage.completion_tokens == 30
+    # long enough to run past max_seq_len (48): the context shifts and generation goes on
+    longer = client(served).completions.create(
+        model=served["name"], prompt="e" * 40, max_tokens=60, temperature=0
+    )
+    assert len(longer.choices[0].text) == 60
+
+
+def test_streaming_equals_the_whole_answer(served):
+    c = client(served)
+    chunks = list(
+        c.completions.create(
+            model=served["name"], prompt="dd", max_tokens=25, temperature=0, stream=True
+        )
+    )
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == reference(served, "dd", 25)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_echo_logprobs_score_the_prompt(served):
+    ix, model = served["ix"], served["model"]
+    prompt = "abcdeabcde"
+    got = client(served).completions.create(
+        model=served["name"], prompt=prompt, max_tokens=0, echo=True, logprobs=2
+    )
+    lp = got.choices[0].logprobs
+    assert got.choices[0].text == prompt and lp.tokens == list(prompt)
+    tokens = torch.from_numpy(ix.encode(prompt).astype(np.int64))[None]
+    from teralm.index.query import OnlineMatcher
+
+    feats = OnlineMatcher(ix).extend(tokens[0].tolist())
+    with torch.no_grad():
+        logits = model(
+            tokens, torch.tensor([[f[1] for f in feats]]), torch.tensor([[f[0] for f in feats]])
+        )
+    want = torch.log_softmax(logits[0].double(), -1)[:-1].gather(1, tokens[0, 1:, None])[:, 0]
+    assert lp.token_logprobs[0] is None
+    np.testing.assert_allclose(lp.token_logprobs[1:], want.numpy(), atol=1e-4)
+    assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+
+
+def test_stop_n_seed_and_lists_of_prompts(served):
+    c = client(served)
+    full = reference(served, "ab", 40)
+    stop = full[5:7]
+    got = c.completions.create(
+        model=served["name"], prompt="ab", max_tokens=40, temperature=0, stop=[stop]
+    )
+    assert (
+        got.choices[0].text == full[: full.index(stop)] and got.choices[0].finish_reason == "stop"
+    )
+    a = c.completions.create(model=served["name"], prompt=["ab", "cd"], max_tokens=12, n=2, seed=7)
+    b = c.completions.create(model=served["name"], prompt=["ab", "cd"], max_tokens=12, n=2, seed=7)
+    assert [x.text for x in a.choices] == [x.text for x in b.choices]
+    assert [x.index for x in a.choices] == [0, 1, 2, 3]
+
+
+def test_concurrent_clients_all_get_their_answers(served):
+    prompts = ["a", "bb", "ccc", "dddd", "abcde", "eeeee", "cab", "bad"]
+    results = {}
+
+    def ask(p):
+        got = client(served).completions.create(
+            model=served["name"], prompt=p, max_tokens=20, temperature=0
+        )
+        results[p] = got.choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {p: reference(served, p, 20) for p in prompts}
+
+
+@pytest.mark.parametrize(
+    "body, status, words",
+    [
+        ({"prompt": "ab", "temperature": 5}, 400, "temperature"),
+        ({"prompt": "ab", "max_tokens": 5000}, 400, "max_tokens"),
+        ({"prompt": "ab", "n": 100}, 400, "n is at most"),
+        ({"prompt": [1, 2, 999]}, 400, "prompt tokens"),
+        ({"prompt": "ab", "logprobs": 50}, 400, "logprobs"),
+        ({"prompt": "ab", "model": "gpt-4"}, 404, "unknown model"),
+        ({"prompt": "ab", "max_tokens": -1}, 400, "max_tokens"),
+        ({"prompt": "ab", "stop": ["", "x"]}, 400, "stop"),
+        ({"prompt": "x" * 5000}, 400, "limit"),
+        ({"prompt": {"a": 1}}, 400, "prompt"),
+    ],
+)
+def test_bad_requests_get_openai_errors(served, body, status, words):
+    code, answer = request(served["port"], "POST", "/v1/completions", body)
+    assert code == status, answer
+    assert words in answer["error"]["message"] and answer["error"]["type"]
+
+
+def test_malformed_oversized_and_unauthorised(served):
+    port = served["port"]
+    code, answer = request(port, "POST", "/v1/completions", raw=b'{"prompt": "ab",')
+    assert code == 400 and "error" in answer
+    code, answer = request(port, "POST", "/v1/completions", raw=b"x" * (2 << 20))
+    assert code == 413 and "error" in answer
+    code, answer = request(port, "POST", "/v1/completions", {"prompt": "ab"}, key=None)
+    assert code == 401 and answer["error"]["code"] == "invalid_api_key"
+    code, answer = request(port, "GET", "/v1/models", key="wrong")
+    assert code == 401
+    assert request(port, "GET", "/health", key=None)[0] == 200
+    code, models = request(port, "GET", "/v1/models")
+    assert code == 200 and models["data"][0]["id"] == served["name"]
+
+
+def test_lookup_metrics_and_disconnect(served):
+    port, ix = served["port"], served["ix"]
+    text = ix.decode(ix.tokens(40, 60))
+    code, answer = request(port, "POST", "/v1/lookup", {"text": text, "top_k": 3})
+    match = ix.longest_match([ix.encode(text)])
+    assert code == 200 and answer["longest_match"]["length"] == int(match.length[0])
+    assert answer["longest_match"]["count"] == int(match.count[0])
+    assert answer["sources"] and len(answer["continuations"]) <= 3
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    body = json.dumps({"prompt": "ab", "max_tokens": 200, "stream": True}).encode()
+    conn.request(
+        "POST",
+        "/v1/completions",
+        body=body,
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+    )
+    response = conn.getresponse()
+    response.readline()
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        _, text = request(port, "GET", "/metrics")
+        if "teralm_active_sequences 0" in text:
+            break
+        time.sleep(0.2)
+    assert "teralm_active_sequences 0" in text
+    assert (
+        'teralm_requests_total{code="200"}' in text and "teralm_index_lookup_seconds_total" in text
+    )
+
+
+@pytest.mark.skipif(
+    not (shutil.which("chromium") and shutil.which("chromedriver")),
+    reason="needs chromium and chromedriver (apt install chromium chromium-driver)",
+)
+def test_playground_renders_and_streams_in_headless_chromium(served):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    options = webdriver.ChromeOptions()
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(flag)
+    options.binary_location = shutil.which("chromium")
+    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+    try:
+        driver.get(f"http://127.0.0.1:{served['port']}/?prompt=abc")
+        assert "teralm" in driver.title
+        driver.find_element(By.ID, "key").send_keys(KEY)
+        driver.find_element(By.ID, "go").click()
+        wait = WebDriverWait(driver, 60)
+        wait.until(lambda d: d.find_element(By.ID, "status").text == "done")
+        generated = driver.find_element(By.CSS_SELECTOR, "#output .generated").text
+        assert len(generated) > 0
+        wait.until(lambda d: "tokens match" in d.find_element(By.ID, "match").text)
+    finally:
+        driver.quit()
