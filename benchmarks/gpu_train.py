@@ -35,8 +35,13 @@ def run(index, shape: str, precision: str, steps: int, compile_model: bool) -> d
 
     device = torch.device("cuda")
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=index.vocab_size, max_match=index.max_match, max_seq_len=1024,
-                      precision=precision, **SHAPES[shape])
+    cfg = ModelConfig(
+        vocab_size=index.vocab_size,
+        max_match=index.max_match,
+        max_seq_len=1024,
+        precision=precision,
+        **SHAPES[shape],
+    )
     model = Transformer(cfg).to(device)
     forward = torch.compile(model) if compile_model else model
     train_cfg = TrainConfig(batch_size=32, seq_len=1024, lr=6e-4 if shape == "1b" else 1.5e-3)
@@ -82,7 +87,16 @@ def main() -> None:
 
     index_dir = args.index or CACHE / "gpu" / "stdlib-index"
     if args.index is None:
-        cmd = [sys.executable, "-m", "teralm.cli", "build-index", "stdlib", "--out", str(index_dir), "--quiet"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "teralm.cli",
+            "build-index",
+            "stdlib",
+            "--out",
+            str(index_dir),
+            "--quiet",
+        ]
         subprocess.run(cmd, check=True)
     index = Index.open(index_dir)
     rows = []
