@@ -109,11 +109,16 @@ class Engine:
             self._admit()
             if not self.active:
                 continue
-            for seq in self.active:
-                self._sample(seq)
-            self.active = [s for s in self.active if not (s.done or s.cancelled)]
-            if self.active:
-                self._decode(self.active)
+            try:
+                for seq in self.active:
+                    self._sample(seq)
+                self.active = [s for s in self.active if not (s.done or s.cancelled)]
+                if self.active:
+                    self._decode(self.active)
+            except Exception as e:  # fail the batch, keep serving
+                for seq in self.active:
+                    seq.on_event(TokenEvent(None, finish=f"error: {e}"))
+                self.active = []
 
     def _admit(self) -> None:
         while len(self.active) < self.max_batch:

@@ -90,12 +90,7 @@ def _train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return _fail("train", f"interrupted; continue with --resume (--out {args.out})")
     plot_loss(args.out)
-    import torch
-
-    from teralm.train.evaluate import load_model
-
-    model, _ = load_model(args.out, torch.device("cpu"))
-    print(summary(args.out, result, model.num_parameters()))
+    print(summary(args.out, result))
     return 0
 
 

@@ -72,14 +72,20 @@ class RunConfig:
 PRESETS: dict[str, dict] = {
     # 2 CPU cores, about 12 minutes: a byte model that already uses its index input well
     "tiny": {
-        "model": {"n_layer": 4, "n_head": 4, "d_model": 256, "max_seq_len": 256},
+        "model": {
+            "n_layer": 4,
+            "n_head": 4,
+            "d_model": 256,
+            "max_seq_len": 256,
+            "precision": "bf16",
+        },
         "train": {
             "batch_size": 16,
             "seq_len": 256,
-            "max_steps": 1200,
+            "max_steps": 800,
             "lr": 3e-3,
             "warmup_steps": 50,
-            "checkpoint_every": 200,
+            "checkpoint_every": 100,
         },
     },
     # GPU presets with TScale-like shapes

@@ -50,9 +50,7 @@ def held_out_windows(ix: Index, holdout_every: int, seq_len: int, max_tokens: in
     """``(start, length)`` windows over the held-out documents, in id order, until
     ``max_tokens`` targets are covered (each window predicts tokens ``start+1 .. start+length``)."""
     covered = 0
-    for doc in range(0, ix.num_documents, holdout_every):
-        if not held_out(doc, holdout_every):
-            continue
+    for doc in filter(lambda d: held_out(d, holdout_every), range(ix.num_documents)):
         start, stop = ix.document_range(doc)
         for a in range(start, stop - 1, seq_len):
             length = min(seq_len, stop - 1 - a, max_tokens - covered)

@@ -77,6 +77,7 @@ class TrainResult:
     tokens: int
     wall_s: float
     stopped: str  # "max_steps" or "max_minutes"
+    parameters: int
 
 
 def check_resumable(saved: dict, config: RunConfig, identity: dict) -> None:
@@ -209,6 +210,5 @@ def train(
         or json.loads((run / checkpoint.LATEST).read_text())["step"] != step
     ):
         save(step)
-    return TrainResult(
-        step, loss_value, tokens_done, wall_before + time.perf_counter() - t0, stopped
-    )
+    wall = wall_before + time.perf_counter() - t0
+    return TrainResult(step, loss_value, tokens_done, wall, stopped, model.num_parameters())

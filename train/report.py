@@ -39,13 +39,13 @@ def plot_loss(run: Path) -> Path | None:
     return run / "loss.png"
 
 
-def summary(run: Path, result: TrainResult, parameters: int) -> str:
+def summary(run: Path, result: TrainResult) -> str:
     records = read_metrics(run)
     rate = records[-1]["tok_per_s"] if records else 0.0
     return "\n".join(
         [
             f"run        {run}",
-            f"parameters {parameters:,}",
+            f"parameters {result.parameters:,}",
             f"steps      {result.steps} (stopped at {result.stopped})",
             f"tokens     {result.tokens:,}",
             f"loss       {result.final_loss:.4f} nats/token (last step)",
