@@ -261,8 +261,10 @@ class OnlineMatcher:
         if not 0 <= token < ix.vocab_size:
             raise ValueError(f"token {token} is outside the vocabulary 0..{ix.vocab_size - 1}")
         self.text.append(int(token))
+        if len(self.text) > 2 * self.max_len:  # only the last max_len tokens can match
+            del self.text[: -self.max_len]
         s = self.witness
-        if s >= 0 and int(ix.stream[s + 1 : s + 2][0]) == token:
+        if s >= 0 and ix.stream.token_at(s + 1) == token:
             self.length = min(self.length + 1, self.max_len)
             follower = self._follower(s + 1)
             if follower is not None:
@@ -277,7 +279,7 @@ class OnlineMatcher:
         ix = self.engine.index
         if p + 1 >= ix.num_tokens or _is_doc_start(self.engine.doc_bits, p + 1):
             return None
-        return int(ix.stream[p + 1 : p + 2][0])
+        return ix.stream.token_at(p + 1)
 
     def _search(self) -> tuple[int, int]:
         e = self.engine

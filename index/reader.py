@@ -46,6 +46,11 @@ class ShardedTokens:
             if a < b:
                 yield k, a, b
 
+    def token_at(self, p: int) -> int:
+        """The token at global position ``p``."""
+        k, q = divmod(p, self.shard_tokens)
+        return int(self.shard(k)[q])
+
     def __getitem__(self, window: slice) -> np.ndarray:
         parts = [self.shard(k)[a:b] for k, a, b in self.spans(window.start, window.stop)]
         return np.concatenate([np.empty(0, self.dtype), *parts])

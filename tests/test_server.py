@@ -282,3 +282,75 @@ def test_playground_renders_and_streams_in_headless_chromium(served):
         wait.until(lambda d: "tokens match" in d.find_element(By.ID, "match").text)
     finally:
         driver.quit()
+
+
+def test_serve_refuses_another_tokenizer_and_loads_fp8_exports(served, tmp_path):
+    from conftest import write_jsonl
+    from teralm.build_index import BuildConfig, build
+
+    ix = served["ix"]
+    run = ix.directory.parent.parent / "run"
+    docs = [ix.decode(ix.tokens(*ix.document_range(d))) for d in range(ix.num_documents)]
+    source = write_jsonl(tmp_path / "docs.jsonl", docs)
+    build(
+        BuildConfig(source=str(source), out=tmp_path / "bpe", tokenizer="bpe:300", progress=False)
+    )
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "teralm.cli",
+            "serve",
+            "--index",
+            str(tmp_path / "bpe"),
+            "--run",
+            str(run),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 1 and "another tokenizer" in refused.stderr
+
+    export = tmp_path / "fp8"
+    assert (
+        subprocess.run(
+            [sys.executable, "-m", "teralm.cli", "export-fp8", str(run), "--out", str(export)],
+            capture_output=True,
+            timeout=120,
+        ).returncode
+        == 0
+    )
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "teralm.cli",
+            "serve",
+            "--index",
+            str(ix.directory),
+            "--run",
+            str(export),
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if request(port, "GET", "/health", key=None)[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.3)
+        code, answer = request(
+            port, "POST", "/v1/completions", {"prompt": "ab", "max_tokens": 8}, key=None
+        )
+        assert code == 200 and answer["usage"]["completion_tokens"] == 8
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
