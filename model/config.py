@@ -14,7 +14,9 @@ class ModelConfig:
     ``attention``: ``"full"`` everywhere, or ``"tscale"``: the first ``local_fraction`` of layers
     attend only to the last ``window`` positions and the rest alternate window and full width.
     ``index_input``: feed the index's causal features (looked-up next token, match length
-    bucket) through a learned gate; off for ablations, with all else equal.
+    bucket) through a learned gate; off for ablations, with all else equal (it also turns off
+    ``index_mixture``). ``index_mixture``: the output mixes the model's next-token distribution
+    with the ∞-gram's, with a weight the model computes at every position.
     ``precision``: arithmetic of every Linear layer in the blocks (see teralm.kernels.fp8).
     """
 
@@ -30,6 +32,7 @@ class ModelConfig:
     window: int = 64
     local_fraction: float = 0.15
     index_input: bool = True
+    index_mixture: bool = True
     max_match: int = 127
     precision: str = "fp32"
 

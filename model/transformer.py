@@ -183,6 +183,11 @@ class Transformer(nn.Module):
         self.index_input = IndexInput(cfg) if cfg.index_input else None
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.d_model)
+        self.mixture_gate = None
+        if cfg.index_input and cfg.index_mixture:
+            self.mixture_gate = nn.Linear(cfg.d_model, 1)  # logit of the model's own share
+            nn.init.zeros_(self.mixture_gate.weight)
+            nn.init.zeros_(self.mixture_gate.bias)
         cos, sin = rope_tables(cfg.d_model // cfg.n_head, cfg.max_seq_len, cfg.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -192,7 +197,10 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,
         next_token: torch.Tensor | None = None,
         match_len: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        with_gate: bool = False,
+    ):
+        """Logits [B, T, vocab]; with ``with_gate`` also the mixture gate's logits [B, T] (None
+        when the model has no ∞-gram mixture)."""
         T = tokens.shape[1]
         if self.cfg.max_seq_len < T:
             raise ValueError(
@@ -202,7 +210,8 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         for block in self.blocks:
             x, _ = block(x, cos, sin)
-        return self._head(x)
+        logits, gate = self._head(x)
+        return (logits, gate) if with_gate else logits
 
     def decode(
         self,
@@ -211,8 +220,9 @@ class Transformer(nn.Module):
         match_len: torch.Tensor,
         past: list[tuple[torch.Tensor, torch.Tensor]] | None,
         past_len: torch.Tensor,
-    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Logits of ``tokens`` [B, T] that continue cached sequences, and their keys/values.
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Logits and mixture gate logits of ``tokens`` [B, T] that continue cached sequences,
+        and their keys/values.
 
         ``past[layer]`` holds keys and values ``[B, H, L, D]`` of earlier positions, row ``b``
         valid for its first ``past_len[b]`` entries (None when nothing is cached)."""
@@ -229,7 +239,8 @@ class Transformer(nn.Module):
         for i, block in enumerate(self.blocks):
             x, kv = block(x, cos, sin, past[i] if past else None, key_pos, query_pos)
             new.append(kv)
-        return self._head(x), new
+        logits, gate = self._head(x)
+        return logits, gate, new
 
     def _embed(self, tokens, next_token, match_len) -> torch.Tensor:
         x = self.embed(tokens)
@@ -241,11 +252,51 @@ class Transformer(nn.Module):
             x = self.index_input(x, next_token, match_len)
         return x
 
-    def _head(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(x), self.embed.weight)
+    def _head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        h = self.norm(x)
+        gate = None if self.mixture_gate is None else self.mixture_gate(h).squeeze(-1).float()
+        return F.linear(h, self.embed.weight), gate
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def mixture_logp(
+    model_logp: torch.Tensor,
+    gate: torch.Tensor | None,
+    infgram_p: torch.Tensor,
+    infgram_seen: torch.Tensor,
+) -> torch.Tensor:
+    """Log of ``sigmoid(gate) * p_model + sigmoid(-gate) * p_infgram``.
+
+    ``model_logp`` and ``infgram_p`` are either whole distributions [..., vocab] or already
+    gathered at the scored tokens [...]; ``gate`` and ``infgram_seen`` are [...]. Where there is
+    no ∞-gram estimate (``infgram_seen`` false) or no gate, ``model_logp`` comes back."""
+    if gate is None:
+        return model_logp
+    if model_logp.dim() > gate.dim():
+        gate, infgram_seen = gate.unsqueeze(-1), infgram_seen.unsqueeze(-1)
+    mixed = torch.logaddexp(
+        F.logsigmoid(gate) + model_logp, F.logsigmoid(-gate) + torch.log(infgram_p)
+    )
+    return torch.where(infgram_seen, mixed, model_logp)
+
+
+def index_lm_loss(
+    logits: torch.Tensor,
+    gate: torch.Tensor | None,
+    targets: torch.Tensor,
+    infgram_total: torch.Tensor,
+    infgram_hits: torch.Tensor,
+    reduce: bool = True,
+) -> torch.Tensor:
+    """Next-token negative log-likelihood in nats (mean, or per token without ``reduce``) of
+    the model mixed with the ∞-gram (``hits / total`` for each target; none without a gate)."""
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[..., None])[..., 0]
+    seen = infgram_total > 0
+    p = infgram_hits.float() / infgram_total.clamp(min=1).float()
+    nll = -mixture_logp(logp, gate, p, seen)
+    return nll.mean() if reduce else nll
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from teralm.index import Index
 from teralm.index.query import OnlineMatcher
 from teralm.model import Transformer
+from teralm.train.generate import next_token_logp
 from teralm.train.loop import autocast
 
 
@@ -150,9 +151,16 @@ class Engine:
         seq.features = [self._features(seq, t) for t in seq.prompt]
         self.stats.prompt_tokens += len(seq.prompt)
         window = self.model.cfg.max_seq_len
-        logits = self._forward_fresh(seq, max(0, len(seq.tokens) - window))
+        start = max(0, len(seq.tokens) - window)
+        logits, gate = self._forward_fresh(seq, start)
         if seq.sampling.echo:
-            self._echo(seq, logits)
+            rows = [
+                self._logp(
+                    seq.tokens[: start + i + 1], logits[i], None if gate is None else gate[i]
+                )
+                for i in range(logits.shape[0] - 1)
+            ]
+            self._echo(seq, torch.stack(rows) if rows else logits[:0])
         if seq.sampling.max_tokens == 0:
             seq.done = True
             seq.on_event(TokenEvent(None, finish="length"))
@@ -164,7 +172,7 @@ class Engine:
         as_row = lambda xs: torch.tensor([xs], dtype=torch.long, device=self.device)  # noqa: E731
         began = time.perf_counter()
         with autocast(self.device, self.model.cfg.precision):
-            logits, kv = self.model.decode(
+            logits, gate, kv = self.model.decode(
                 as_row(tokens),
                 as_row([f[1] for f in feats]),
                 as_row([f[0] for f in feats]),
@@ -174,13 +182,22 @@ class Engine:
         self.stats.model_s += time.perf_counter() - began
         seq.cache = [(k[0], v[0]) for k, v in kv]
         seq.cache_start = start
-        seq.logits = logits[0, -1].float()
-        return logits[0].float()
+        seq.logits = self._logp(seq.tokens, logits[0, -1], None if gate is None else gate[0, -1])
+        return logits[0].float(), None if gate is None else gate[0]
 
-    def _echo(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Events for the prompt tokens: each one's log-probability given those before it."""
-        logp = F.log_softmax(logits, dim=-1)
-        offset = len(seq.prompt) - logits.shape[0]  # prompt tokens before the window
+    def _logp(self, context: list[int], logits: torch.Tensor, gate) -> torch.Tensor:
+        """The next token's log-probabilities (mixed with the ∞-gram's, timed as lookup)."""
+        if gate is None:
+            return next_token_logp(self.index, context, logits, None)
+        began = time.perf_counter()
+        logp = next_token_logp(self.index, context, logits, gate)
+        self.stats.lookup_s += time.perf_counter() - began
+        return logp
+
+    def _echo(self, seq: Sequence, logp: torch.Tensor) -> None:
+        """Events for the prompt tokens: each one's log-probability given those before it
+        (``logp[i]``: the distribution after the window's token ``i``)."""
+        offset = len(seq.prompt) - logp.shape[0] - 1  # prompt tokens before the window
         for i, token in enumerate(seq.prompt):
             row = i - 1 - offset
             if row < 0:
@@ -251,7 +268,7 @@ class Engine:
         column = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)[:, None]  # noqa: E731
         began = time.perf_counter()
         with autocast(self.device, self.model.cfg.precision):
-            logits, new = self.model.decode(
+            logits, gate, new = self.model.decode(
                 column([s.tokens[-1] for s in ready]),
                 column([s.features[-1][1] for s in ready]),
                 column([s.features[-1][0] for s in ready]),
@@ -265,4 +282,4 @@ class Engine:
                 (torch.cat((k, nk[b]), dim=1), torch.cat((v, nv[b]), dim=1))
                 for (k, v), (nk, nv) in zip(s.cache, new)
             ]
-            s.logits = logits[b, -1].float()
+            s.logits = self._logp(s.tokens, logits[b, -1], None if gate is None else gate[b, -1])

@@ -141,3 +141,30 @@ def test_loss_falls_and_the_index_input_is_used():
         assert losses[use] < history[0]
     # random targets: 3.47 nats without help; trusting the long matches halves it
     assert losses[True] < 0.75 * losses[False]
+
+
+def test_infgram_mixture_is_a_distribution_and_its_loss_matches():
+    from teralm.model.transformer import index_lm_loss, mixture_logp
+
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 4, 10, generator=gen, dtype=torch.float64)
+    gate = torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    counts = torch.randint(0, 3, (3, 4, 10), generator=gen).double()
+    seen = counts.sum(-1) > 0
+    p_inf = counts / counts.sum(-1, keepdim=True).clamp(min=1)
+    logp = mixture_logp(torch.log_softmax(logits, -1), gate, p_inf, seen)
+    torch.testing.assert_close(logp.exp().sum(-1), torch.ones(3, 4, dtype=torch.float64))
+    g = torch.sigmoid(gate)[..., None]
+    manual = torch.where(
+        seen[..., None], g * torch.softmax(logits, -1) + (1 - g) * p_inf, torch.softmax(logits, -1)
+    )
+    torch.testing.assert_close(logp.exp(), manual)
+    targets = torch.randint(0, 10, (3, 4), generator=gen)
+    total = counts.sum(-1).long()
+    hits = counts.gather(-1, targets[..., None])[..., 0].long()
+    loss = index_lm_loss(logits, gate, targets, total, hits)
+    want = -manual.gather(-1, targets[..., None])[..., 0].log().mean()
+    torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-6)
+    assert torch.autograd.gradcheck(
+        lambda gt: index_lm_loss(logits, gt, targets, total, hits), (gate.clone().requires_grad_(),)
+    )

@@ -143,12 +143,24 @@ def test_echo_logprobs_score_the_prompt(served):
 
     feats = OnlineMatcher(ix).extend(tokens[0].tolist())
     with torch.no_grad():
-        logits = model(
-            tokens, torch.tensor([[f[1] for f in feats]]), torch.tensor([[f[0] for f in feats]])
+        logits, gate = model(
+            tokens,
+            torch.tensor([[f[1] for f in feats]]),
+            torch.tensor([[f[0] for f in feats]]),
+            with_gate=True,
         )
-    want = torch.log_softmax(logits[0].double(), -1)[:-1].gather(1, tokens[0, 1:, None])[:, 0]
+    p_model = torch.softmax(logits[0].double(), -1).numpy()
+    want = []
+    for i in range(1, len(prompt)):  # the model mixed with the ∞-gram of the text before i
+        p = p_model[i - 1, tokens[0, i]]
+        nxt, counts = ix.next_token_distribution([tokens[0, :i].numpy()])[0]
+        if gate is not None and counts.sum():
+            g = 1 / (1 + np.exp(-float(gate[0, i - 1])))
+            share = counts[nxt == int(tokens[0, i])].sum() / counts.sum()
+            p = g * p + (1 - g) * share
+        want.append(np.log(p))
     assert lp.token_logprobs[0] is None
-    np.testing.assert_allclose(lp.token_logprobs[1:], want.numpy(), atol=1e-4)
+    np.testing.assert_allclose(lp.token_logprobs[1:], want, atol=1e-4)
     assert all(len(top) == 2 for top in lp.top_logprobs[1:])
 
 

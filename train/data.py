@@ -13,16 +13,24 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from teralm.index import Index
+from teralm.index import format as fmt
+from teralm.kernels import query as kq
+
+INFGRAM_EXACT_LIMIT = 1 << 14
 
 
 @dataclass
 class Batch:
-    """``tokens[b, t]`` with its features ``next_token``/``match_len`` predicts ``targets[b, t]``."""
+    """``tokens[b, t]`` with its features ``next_token``/``match_len`` predicts ``targets[b, t]``;
+    ``infgram_total``/``infgram_hits``: the causal ∞-gram's counts for that target (see
+    ``causal_infgram``; zeros when not asked for)."""
 
     tokens: torch.Tensor
     next_token: torch.Tensor
     match_len: torch.Tensor
     targets: torch.Tensor
+    infgram_total: torch.Tensor
+    infgram_hits: torch.Tensor
 
     def to(self, device: torch.device) -> Batch:
         return Batch(*(t.to(device, non_blocking=True) for t in vars(self).values()))
@@ -59,11 +67,51 @@ def fragment(ix: Index, start: int, length: int) -> tuple[np.ndarray, ...]:
     )
 
 
+def causal_infgram(
+    ix: Index, first: int, count: int, doc_start: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(total, hits)``: the ∞-gram counts of target positions ``first .. first+count-1`` seeing
+    only earlier text, each starting from the stored longest earlier match of its context (which
+    never reaches before ``doc_start``, the scored document's start)."""
+    engine = ix.query
+    lengths = ix.features(first - 1, first + count - 1).match_len.astype(np.int64)
+    reach = max(doc_start, first - 1 - int(lengths.max(initial=0)))
+    text = ix.tokens(reach, first + count).astype(np.int64)
+    ends = np.arange(first, first + count) - reach  # context of target t ends at t - 1
+    begins = np.maximum(ends - lengths, doc_start - reach)
+    parts = [text[b:e] for b, e in zip(begins, ends)]
+    ctx_starts = np.zeros(count + 1, dtype=np.int64)
+    np.cumsum([len(p) for p in parts], out=ctx_starts[1:])
+    out = kq.causal_counts(
+        engine._kernel_shards,
+        engine.buckets,
+        engine.elem_bits,
+        fmt.KEY_SAMPLE,
+        engine.doc_bits,
+        engine.separator,
+        np.concatenate(parts),
+        ctx_starts,
+        np.arange(first, first + count, dtype=np.int64),
+        text[ends],
+        INFGRAM_EXACT_LIMIT,
+    )
+    return out[:, 1], out[:, 2]
+
+
 class FragmentSampler:
     """Deterministic random fragments of ``seq_len + 1`` tokens from the training spans."""
 
-    def __init__(self, ix: Index, seq_len: int, batch_size: int, seed: int, holdout_every: int):
+    def __init__(
+        self,
+        ix: Index,
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        holdout_every: int,
+        infgram: bool = False,
+    ):
         self.ix, self.seq_len, self.batch_size, self.seed = ix, seq_len, batch_size, seed
+        self.infgram = infgram
         spans = training_spans(ix, holdout_every)
         room = spans[:, 1] - spans[:, 0] - seq_len  # fragment starts per span
         self.spans = spans[room > 0]
@@ -86,5 +134,12 @@ class FragmentSampler:
         span = np.searchsorted(self.cumulative, picks, side="right")
         before = np.where(span > 0, self.cumulative[np.maximum(span - 1, 0)], 0)
         starts = self.spans[span, 0] + (picks - before)
-        parts = [fragment(self.ix, int(s), self.seq_len) for s in starts]
+        parts = []
+        for s in map(int, starts):
+            counts = (
+                causal_infgram(self.ix, s + 1, self.seq_len, 0)
+                if self.infgram
+                else (np.zeros(self.seq_len, np.int64),) * 2
+            )
+            parts.append((*fragment(self.ix, s, self.seq_len), *counts))
         return Batch(*(torch.from_numpy(np.stack(column)) for column in zip(*parts)))

@@ -16,17 +16,15 @@ from pathlib import Path
 import numpy as np
 import torch
 from teralm.index import Index
-from teralm.index import format as fmt
-from teralm.kernels import query as kq
 from teralm.model import ModelConfig, Transformer
+from teralm.model.transformer import index_lm_loss
 from teralm.train import checkpoint
-from teralm.train.data import fragment, held_out
+from teralm.train.data import causal_infgram, fragment, held_out
 from teralm.train.loop import autocast
 from tqdm import tqdm
 
 INFGRAM_EPSILON = 0.01  # the ∞-gram alone mixes in this much of the uniform distribution
 LAMBDAS = np.round(np.arange(0.05, 1.0, 0.05), 2)
-EXACT_LIMIT = 1 << 14
 
 
 def load_model(run: Path, device: torch.device) -> tuple[Transformer, dict]:
@@ -60,37 +58,6 @@ def held_out_windows(ix: Index, holdout_every: int, seq_len: int, max_tokens: in
             covered += length
 
 
-def causal_infgram(
-    ix: Index, first: int, count: int, doc_start: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """``(total, hits)``: the ∞-gram counts of target positions ``first .. first+count-1`` seeing
-    only earlier text, each starting from the stored longest earlier match of its context (which
-    never reaches before ``doc_start``, the scored document's start)."""
-    engine = ix.query
-    lengths = ix.features(first - 1, first + count - 1).match_len.astype(np.int64)
-    reach = max(doc_start, first - 1 - int(lengths.max(initial=0)))
-    text = ix.tokens(reach, first + count).astype(np.int64)
-    ends = np.arange(first, first + count) - reach  # context of target t ends at t - 1
-    begins = np.maximum(ends - lengths, doc_start - reach)
-    parts = [text[b:e] for b, e in zip(begins, ends)]
-    ctx_starts = np.zeros(count + 1, dtype=np.int64)
-    np.cumsum([len(p) for p in parts], out=ctx_starts[1:])
-    out = kq.causal_counts(
-        engine._kernel_shards,
-        engine.buckets,
-        engine.elem_bits,
-        fmt.KEY_SAMPLE,
-        engine.doc_bits,
-        engine.separator,
-        np.concatenate(parts),
-        ctx_starts,
-        np.arange(first, first + count, dtype=np.int64),
-        text[ends],
-        EXACT_LIMIT,
-    )
-    return out[:, 1], out[:, 2]
-
-
 @torch.no_grad()
 def score(
     ix: Index,
@@ -100,7 +67,8 @@ def score(
     device: torch.device,
     progress: bool = True,
 ) -> Scores:
-    """Model log-probabilities and ∞-gram counts of the held-out targets."""
+    """Model log-probabilities (mixed with the causal ∞-gram when the model has an ∞-gram
+    mixture, as in training) and the ∞-gram counts of the held-out targets."""
     cfg = model.cfg
     logps, totals, hits = [], [], []
     windows = list(held_out_windows(ix, holdout_every, cfg.max_seq_len, max_tokens))
@@ -108,12 +76,19 @@ def score(
         tokens, next_token, match_len, targets = (
             torch.from_numpy(x)[None].to(device) for x in fragment(ix, a, length)
         )
-        with autocast(device, cfg.precision):
-            logits = model(tokens, next_token, match_len)
-        logp = torch.log_softmax(logits.float(), dim=-1)[0].gather(1, targets[0][:, None])[:, 0]
-        logps.append(logp.cpu().numpy().astype(np.float64))
         doc = int(np.searchsorted(ix.offsets, a, side="right")) - 1
         total, hit = causal_infgram(ix, a + 1, length, int(ix.offsets[doc]))
+        with autocast(device, cfg.precision):
+            logits, gate = model(tokens, next_token, match_len, with_gate=True)
+        nll = index_lm_loss(
+            logits[0],
+            None if gate is None else gate[0],
+            targets[0],
+            torch.from_numpy(total).to(device),
+            torch.from_numpy(hit).to(device),
+            reduce=False,
+        )
+        logps.append(-nll.cpu().numpy().astype(np.float64))
         totals.append(total)
         hits.append(hit)
     if not windows:

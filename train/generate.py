@@ -7,7 +7,36 @@ import torch
 from teralm.index import Index
 from teralm.index.query import OnlineMatcher
 from teralm.model import Transformer
+from teralm.model.transformer import mixture_logp
 from teralm.train.loop import autocast
+
+
+def infgram_probs(ix: Index, context: list[int]) -> torch.Tensor | None:
+    """The ∞-gram's next-token distribution after ``context`` (its last ``max_match`` tokens,
+    as the training features see it), over followers; None when nothing follows any suffix."""
+    tokens, counts = ix.next_token_distribution([context[-ix.max_match :]])[0]
+    if counts.sum() == 0:
+        return None
+    probs = torch.zeros(ix.vocab_size, dtype=torch.float32)
+    probs[torch.from_numpy(tokens.astype(np.int64))] = torch.from_numpy(
+        counts / counts.sum()
+    ).float()
+    return probs
+
+
+def next_token_logp(
+    ix: Index, context: list[int], logits: torch.Tensor, gate: torch.Tensor | None
+) -> torch.Tensor:
+    """Log-probabilities of the next token: the model's, mixed with the ∞-gram's when the
+    model has a mixture gate (as in training)."""
+    logp = torch.log_softmax(logits.float().cpu(), dim=-1)
+    if gate is None:
+        return logp
+    probs = infgram_probs(ix, context)
+    seen = torch.tensor(probs is not None)
+    return mixture_logp(
+        logp, gate.float().cpu(), probs if probs is not None else torch.ones_like(logp), seen
+    )
 
 
 @torch.no_grad()
@@ -34,12 +63,14 @@ def generate(
         recent, feats = tokens[-window:], features[-window:]
         as_tensor = lambda xs: torch.tensor([xs], dtype=torch.long, device=device)  # noqa: E731
         with autocast(device, model.cfg.precision):
-            logits = model(
+            logits, gate = model(
                 as_tensor(recent),
                 as_tensor([f[1] for f in feats]),
                 as_tensor([f[0] for f in feats]),
+                with_gate=True,
             )
-        logits = logits[0, -1].float().cpu()
+        mixing = gate is not None and use_index
+        logits = next_token_logp(ix, tokens, logits[0, -1], gate[0, -1] if mixing else None)
         if temperature <= 0:
             token = int(logits.argmax())
         else:

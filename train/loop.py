@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from teralm.index import Index
 from teralm.model import Transformer
-from teralm.model.transformer import lm_loss
+from teralm.model.transformer import index_lm_loss
 from teralm.train import checkpoint
 from teralm.train.config import RunConfig, TrainConfig
 from teralm.train.data import FragmentSampler
@@ -145,7 +145,14 @@ def train(
         start, tokens_done, wall_before = state["step"], state["tokens"], state["wall_s"]
     _truncate_metrics(run / METRICS, start)
     forward = torch.compile(model) if cfg.compile else model
-    sampler = FragmentSampler(ix, cfg.seq_len, cfg.batch_size, cfg.seed, cfg.holdout_every)
+    sampler = FragmentSampler(
+        ix,
+        cfg.seq_len,
+        cfg.batch_size,
+        cfg.seed,
+        cfg.holdout_every,
+        infgram=model.mixture_gate is not None,
+    )
     (run / "config.json").write_text(
         json.dumps({"config": config.to_dict(), "index": identity}, indent=1)
     )
@@ -175,8 +182,13 @@ def train(
             for micro in range(cfg.grad_accum):
                 batch = sampler.batch(step, micro).to(device)
                 with autocast(device, config.model.precision):
-                    logits = forward(batch.tokens, batch.next_token, batch.match_len)
-                loss = lm_loss(logits, batch.targets) / cfg.grad_accum
+                    logits, gate = forward(
+                        batch.tokens, batch.next_token, batch.match_len, with_gate=True
+                    )
+                loss = index_lm_loss(
+                    logits, gate, batch.targets, batch.infgram_total, batch.infgram_hits
+                )
+                loss = loss / cfg.grad_accum
                 loss.backward()
                 total += loss.item()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
