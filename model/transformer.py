@@ -37,6 +37,9 @@ class Linear(nn.Module):
         return flat.reshape(*x.shape[:-1], -1)
 
 
+MAX_COUNT = 1 << 24  # ∞-gram counts above this share the last bucket
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -183,11 +186,12 @@ class Transformer(nn.Module):
         self.index_input = IndexInput(cfg) if cfg.index_input else None
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.d_model)
-        self.mixture_gate = None
+        self.mixture_gate = self.count_bias = None
         if cfg.index_input and cfg.index_mixture:
             self.mixture_gate = nn.Linear(cfg.d_model, 1)  # logit of the model's own share
-            nn.init.zeros_(self.mixture_gate.weight)
-            nn.init.zeros_(self.mixture_gate.bias)
+            self.count_bias = nn.Embedding(int(length_bucket(torch.tensor(MAX_COUNT))) + 1, 1)
+            for p in (self.mixture_gate.weight, self.mixture_gate.bias, self.count_bias.weight):
+                nn.init.zeros_(p)
         cos, sin = rope_tables(cfg.d_model // cfg.n_head, cfg.max_seq_len, cfg.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -241,6 +245,12 @@ class Transformer(nn.Module):
             new.append(kv)
         logits, gate = self._head(x)
         return logits, gate, new
+
+    def gate_logit(self, gate: torch.Tensor, infgram_total: torch.Tensor) -> torch.Tensor:
+        """The mixture gate's logit from the hidden state's part (``gate``, from ``forward``)
+        and how many occurrences the ∞-gram counted (bucketed like match lengths)."""
+        buckets = length_bucket(infgram_total.clamp(max=MAX_COUNT))
+        return gate + self.count_bias(buckets).squeeze(-1).float()
 
     def _embed(self, tokens, next_token, match_len) -> torch.Tensor:
         x = self.embed(tokens)

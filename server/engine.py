@@ -188,9 +188,9 @@ class Engine:
     def _logp(self, context: list[int], logits: torch.Tensor, gate) -> torch.Tensor:
         """The next token's log-probabilities (mixed with the ∞-gram's, timed as lookup)."""
         if gate is None:
-            return next_token_logp(self.index, context, logits, None)
+            return next_token_logp(self.model, self.index, context, logits, None)
         began = time.perf_counter()
-        logp = next_token_logp(self.index, context, logits, gate)
+        logp = next_token_logp(self.model, self.index, context, logits, gate)
         self.stats.lookup_s += time.perf_counter() - began
         return logp
 

@@ -80,6 +80,8 @@ def score(
         total, hit = causal_infgram(ix, a + 1, length, int(ix.offsets[doc]))
         with autocast(device, cfg.precision):
             logits, gate = model(tokens, next_token, match_len, with_gate=True)
+        if gate is not None:
+            gate = model.gate_logit(gate, torch.from_numpy(total)[None].to(device))
         nll = index_lm_loss(
             logits[0],
             None if gate is None else gate[0],

@@ -11,32 +11,31 @@ from teralm.model.transformer import mixture_logp
 from teralm.train.loop import autocast
 
 
-def infgram_probs(ix: Index, context: list[int]) -> torch.Tensor | None:
+def infgram_probs(ix: Index, context: list[int]) -> tuple[torch.Tensor, int]:
     """The ∞-gram's next-token distribution after ``context`` (its last ``max_match`` tokens,
-    as the training features see it), over followers; None when nothing follows any suffix."""
+    as the training features see it) over followers, and the number of followers counted
+    (0 when nothing follows any suffix; then the distribution is uniform)."""
     tokens, counts = ix.next_token_distribution([context[-ix.max_match :]])[0]
-    if counts.sum() == 0:
-        return None
+    total = int(counts.sum())
+    if total == 0:
+        return torch.full((ix.vocab_size,), 1.0 / ix.vocab_size), 0
     probs = torch.zeros(ix.vocab_size, dtype=torch.float32)
-    probs[torch.from_numpy(tokens.astype(np.int64))] = torch.from_numpy(
-        counts / counts.sum()
-    ).float()
-    return probs
+    probs[torch.from_numpy(tokens.astype(np.int64))] = torch.from_numpy(counts / total).float()
+    return probs, total
 
 
 def next_token_logp(
-    ix: Index, context: list[int], logits: torch.Tensor, gate: torch.Tensor | None
+    model: Transformer, ix: Index, context: list[int], logits: torch.Tensor, gate
 ) -> torch.Tensor:
     """Log-probabilities of the next token: the model's, mixed with the ∞-gram's when the
     model has a mixture gate (as in training)."""
     logp = torch.log_softmax(logits.float().cpu(), dim=-1)
     if gate is None:
         return logp
-    probs = infgram_probs(ix, context)
-    seen = torch.tensor(probs is not None)
-    return mixture_logp(
-        logp, gate.float().cpu(), probs if probs is not None else torch.ones_like(logp), seen
-    )
+    probs, total = infgram_probs(ix, context)
+    seen = torch.tensor(total > 0)
+    gate = model.gate_logit(gate.float(), torch.tensor(total, device=gate.device)).cpu()
+    return mixture_logp(logp, gate, probs, seen)
 
 
 @torch.no_grad()
@@ -70,7 +69,7 @@ def generate(
                 with_gate=True,
             )
         mixing = gate is not None and use_index
-        logits = next_token_logp(ix, tokens, logits[0, -1], gate[0, -1] if mixing else None)
+        logits = next_token_logp(model, ix, tokens, logits[0, -1], gate[0, -1] if mixing else None)
         if temperature <= 0:
             token = int(logits.argmax())
         else:

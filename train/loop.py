@@ -185,6 +185,8 @@ def train(
                     logits, gate = forward(
                         batch.tokens, batch.next_token, batch.match_len, with_gate=True
                     )
+                if gate is not None:
+                    gate = model.gate_logit(gate, batch.infgram_total)
                 loss = index_lm_loss(
                     logits, gate, batch.targets, batch.infgram_total, batch.infgram_hits
                 )
