@@ -154,13 +154,8 @@ class Engine:
         start = max(0, len(seq.tokens) - window)
         logits, gate = self._forward_fresh(seq, start)
         if seq.sampling.echo:
-            rows = [
-                self._logp(
-                    seq.tokens[: start + i + 1], logits[i], None if gate is None else gate[i]
-                )
-                for i in range(logits.shape[0] - 1)
-            ]
-            self._echo(seq, torch.stack(rows) if rows else logits[:0])
+            contexts = [seq.tokens[: start + i + 1] for i in range(logits.shape[0] - 1)]
+            self._echo(seq, self._logp(contexts, logits[:-1], None if gate is None else gate[:-1]))
         if seq.sampling.max_tokens == 0:
             seq.done = True
             seq.on_event(TokenEvent(None, finish="length"))
@@ -182,16 +177,18 @@ class Engine:
         self.stats.model_s += time.perf_counter() - began
         seq.cache = [(k[0], v[0]) for k, v in kv]
         seq.cache_start = start
-        seq.logits = self._logp(seq.tokens, logits[0, -1], None if gate is None else gate[0, -1])
+        seq.logits = self._logp(
+            [seq.tokens], logits[0, -1:], None if gate is None else gate[0, -1:]
+        )[0]
         return logits[0].float(), None if gate is None else gate[0]
 
-    def _logp(self, context: list[int], logits: torch.Tensor, gate) -> torch.Tensor:
-        """The next token's log-probabilities (mixed with the ∞-gram's, timed as lookup)."""
-        if gate is None:
-            return next_token_logp(self.model, self.index, context, logits, None)
+    def _logp(self, contexts: list[list[int]], logits: torch.Tensor, gate) -> torch.Tensor:
+        """Next-token log-probabilities after each context (mixed with the ∞-gram's, whose
+        lookup is timed as index time)."""
         began = time.perf_counter()
-        logp = next_token_logp(self.model, self.index, context, logits, gate)
-        self.stats.lookup_s += time.perf_counter() - began
+        logp = next_token_logp(self.model, self.index, contexts, logits, gate)
+        if gate is not None:
+            self.stats.lookup_s += time.perf_counter() - began
         return logp
 
     def _echo(self, seq: Sequence, logp: torch.Tensor) -> None:
@@ -277,9 +274,12 @@ class Engine:
             )
         self.stats.model_s += time.perf_counter() - began
         self.stats.steps += 1
+        logp = self._logp(
+            [s.tokens for s in ready], logits[:, -1], None if gate is None else gate[:, -1]
+        )
         for b, s in enumerate(ready):
             s.cache = [
                 (torch.cat((k, nk[b]), dim=1), torch.cat((v, nv[b]), dim=1))
                 for (k, v), (nk, nv) in zip(s.cache, new)
             ]
-            s.logits = self._logp(s.tokens, logits[b, -1], None if gate is None else gate[b, -1])
+            s.logits = logp[b]

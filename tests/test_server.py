@@ -155,7 +155,8 @@ def test_echo_logprobs_score_the_prompt(served):
         p = p_model[i - 1, tokens[0, i]]
         nxt, counts = ix.next_token_distribution([tokens[0, :i].numpy()])[0]
         if gate is not None and counts.sum():
-            logit = model.gate_logit(gate[0, i - 1], torch.tensor(int(counts.sum())))
+            with torch.no_grad():
+                logit = model.gate_logit(gate[0, i - 1], torch.tensor(int(counts.sum())))
             g = 1 / (1 + np.exp(-float(logit)))
             share = counts[nxt == int(tokens[0, i])].sum() / counts.sum()
             p = g * p + (1 - g) * share

@@ -11,31 +11,34 @@ from teralm.model.transformer import mixture_logp
 from teralm.train.loop import autocast
 
 
-def infgram_probs(ix: Index, context: list[int]) -> tuple[torch.Tensor, int]:
-    """The ∞-gram's next-token distribution after ``context`` (its last ``max_match`` tokens,
-    as the training features see it) over followers, and the number of followers counted
-    (0 when nothing follows any suffix; then the distribution is uniform)."""
-    tokens, counts = ix.next_token_distribution([context[-ix.max_match :]])[0]
-    total = int(counts.sum())
-    if total == 0:
-        return torch.full((ix.vocab_size,), 1.0 / ix.vocab_size), 0
-    probs = torch.zeros(ix.vocab_size, dtype=torch.float32)
-    probs[torch.from_numpy(tokens.astype(np.int64))] = torch.from_numpy(counts / total).float()
-    return probs, total
+def infgram_probs(ix: Index, contexts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ∞-gram's next-token distribution after each context (its last ``max_match`` tokens,
+    as the training features see it) over followers [B, vocab], and how many followers it
+    counted [B] (0 when nothing follows any suffix; the distribution is then uniform)."""
+    dists = ix.next_token_distribution([c[-ix.max_match :] for c in contexts])
+    probs = torch.full((len(contexts), ix.vocab_size), 1.0 / ix.vocab_size)
+    totals = torch.zeros(len(contexts), dtype=torch.long)
+    for row, (tokens, counts) in enumerate(dists):
+        totals[row] = int(counts.sum())
+        if totals[row]:
+            probs[row] = 0.0
+            probs[row, torch.from_numpy(tokens.astype(np.int64))] = torch.from_numpy(
+                counts / counts.sum()
+            ).float()
+    return probs, totals
 
 
 def next_token_logp(
-    model: Transformer, ix: Index, context: list[int], logits: torch.Tensor, gate
+    model: Transformer, ix: Index, contexts: list[list[int]], logits: torch.Tensor, gate
 ) -> torch.Tensor:
-    """Log-probabilities of the next token: the model's, mixed with the ∞-gram's when the
-    model has a mixture gate (as in training)."""
+    """Log-probabilities of the token after each context [B, vocab]: the model's (``logits``
+    [B, vocab]), mixed with the ∞-gram's when ``gate`` [B] is given (as in training)."""
     logp = torch.log_softmax(logits.float().cpu(), dim=-1)
     if gate is None:
         return logp
-    probs, total = infgram_probs(ix, context)
-    seen = torch.tensor(total > 0)
-    gate = model.gate_logit(gate.float(), torch.tensor(total, device=gate.device)).cpu()
-    return mixture_logp(logp, gate, probs, seen)
+    probs, totals = infgram_probs(ix, contexts)
+    gate = model.gate_logit(gate.float(), totals.to(gate.device)).cpu()
+    return mixture_logp(logp, gate, probs, totals > 0)
 
 
 @torch.no_grad()
@@ -69,7 +72,9 @@ def generate(
                 with_gate=True,
             )
         mixing = gate is not None and use_index
-        logits = next_token_logp(model, ix, tokens, logits[0, -1], gate[0, -1] if mixing else None)
+        logits = next_token_logp(
+            model, ix, [tokens], logits[0, -1:], gate[0, -1:] if mixing else None
+        )[0]
         if temperature <= 0:
             token = int(logits.argmax())
         else:
