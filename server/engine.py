@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from teralm.index import Index
 from teralm.index.query import OnlineMatcher
 from teralm.model import Transformer
-from teralm.train.generate import next_token_logp
+from teralm.train.generate import infgram_probs, next_token_logp
 from teralm.train.loop import autocast
 
 
@@ -183,13 +183,14 @@ class Engine:
         return logits[0].float(), None if gate is None else gate[0]
 
     def _logp(self, contexts: list[list[int]], logits: torch.Tensor, gate) -> torch.Tensor:
-        """Next-token log-probabilities after each context (mixed with the ∞-gram's, whose
-        lookup is timed as index time)."""
-        began = time.perf_counter()
-        logp = next_token_logp(self.model, self.index, contexts, logits, gate)
+        """Next-token log-probabilities after each context, mixed with the ∞-gram's when the
+        model has a mixture (the ∞-gram query is timed as index lookup)."""
+        infgram = None
         if gate is not None:
+            began = time.perf_counter()
+            infgram = infgram_probs(self.index, contexts)
             self.stats.lookup_s += time.perf_counter() - began
-        return logp
+        return next_token_logp(self.model, logits, gate, infgram)
 
     def _echo(self, seq: Sequence, logp: torch.Tensor) -> None:
         """Events for the prompt tokens: each one's log-probability given those before it

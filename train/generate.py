@@ -16,27 +16,26 @@ def infgram_probs(ix: Index, contexts: list[list[int]]) -> tuple[torch.Tensor, t
     as the training features see it) over followers [B, vocab], and how many followers it
     counted [B] (0 when nothing follows any suffix; the distribution is then uniform)."""
     dists = ix.next_token_distribution([c[-ix.max_match :] for c in contexts])
-    probs = torch.full((len(contexts), ix.vocab_size), 1.0 / ix.vocab_size)
-    totals = torch.zeros(len(contexts), dtype=torch.long)
+    probs = np.full((len(contexts), ix.vocab_size), 1.0 / ix.vocab_size, dtype=np.float32)
+    totals = np.zeros(len(contexts), dtype=np.int64)
     for row, (tokens, counts) in enumerate(dists):
-        totals[row] = int(counts.sum())
+        totals[row] = counts.sum()
         if totals[row]:
             probs[row] = 0.0
-            probs[row, torch.from_numpy(tokens.astype(np.int64))] = torch.from_numpy(
-                counts / counts.sum()
-            ).float()
-    return probs, totals
+            probs[row, tokens] = counts / totals[row]
+    return torch.from_numpy(probs), torch.from_numpy(totals)
 
 
 def next_token_logp(
-    model: Transformer, ix: Index, contexts: list[list[int]], logits: torch.Tensor, gate
+    model: Transformer, logits: torch.Tensor, gate, infgram: tuple | None = None
 ) -> torch.Tensor:
-    """Log-probabilities of the token after each context [B, vocab]: the model's (``logits``
-    [B, vocab]), mixed with the ∞-gram's when ``gate`` [B] is given (as in training)."""
+    """Log-probabilities of the next token [B, vocab]: the model's (``logits`` [B, vocab]),
+    mixed with the ∞-gram's (``infgram_probs``' answer) through ``gate`` [B] when the model
+    has a mixture gate (as in training)."""
     logp = torch.log_softmax(logits.float().cpu(), dim=-1)
     if gate is None:
         return logp
-    probs, totals = infgram_probs(ix, contexts)
+    probs, totals = infgram
     gate = model.gate_logit(gate.float(), totals.to(gate.device)).cpu()
     return mixture_logp(logp, gate, probs, totals > 0)
 
@@ -72,9 +71,10 @@ def generate(
                 with_gate=True,
             )
         mixing = gate is not None and use_index
-        logits = next_token_logp(
-            model, ix, [tokens], logits[0, -1:], gate[0, -1:] if mixing else None
-        )[0]
+        infgram = infgram_probs(ix, [tokens]) if mixing else None
+        logits = next_token_logp(model, logits[0, -1:], gate[0, -1:] if mixing else None, infgram)[
+            0
+        ]
         if temperature <= 0:
             token = int(logits.argmax())
         else:
