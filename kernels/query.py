@@ -288,6 +288,7 @@ def causal_counts(
     """
     contexts = len(ctx_starts) - 1
     out = np.zeros((contexts, 3), dtype=np.int64)
+    ranges = np.zeros((len(per_shard), 2), dtype=np.int64)
     for c in range(contexts):
         end = ctx_starts[c + 1]
         m = 0
@@ -296,7 +297,7 @@ def causal_counts(
         while m > 0:
             total, hits = 0, 0
             occurrences = 0
-            ranges = np.zeros((len(per_shard), 2), dtype=np.int64)
+            ranges[:] = 0
             for k in range(len(per_shard)):
                 found = _shard_range(
                     per_shard[k],

@@ -55,8 +55,7 @@ def create_app(
     ix = engine.index
     byte_level = ix.manifest["tokenizer"] == "bytes"
 
-    def decode(tokens: list[int]) -> str:
-        return ix.decode(tokens)
+    decode = ix.decode
 
     @app.middleware("http")
     async def guard(request: Request, call_next):

@@ -226,8 +226,8 @@ class Engine:
                 scaled = scaled.masked_fill(scaled < cutoff, float("-inf"))
             if s.top_p < 1.0:
                 order = torch.argsort(scaled, descending=True)
-                mass = torch.softmax(scaled[order], dim=-1).cumsum(0)
-                drop = order[(mass - torch.softmax(scaled[order], dim=-1)) >= s.top_p]
+                probs = torch.softmax(scaled[order], dim=-1)
+                drop = order[probs.cumsum(0) - probs >= s.top_p]  # mass before each token
                 scaled[drop] = float("-inf")
             token = int(torch.multinomial(torch.softmax(scaled, -1), 1, generator=seq.generator))
         logp = F.log_softmax(logits, dim=-1)

@@ -8,7 +8,6 @@ what ``latest.json`` names and checks the checksums, so a killed save is never l
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -17,19 +16,12 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from teralm.build_index.verify import sha256_file
 from teralm.index import format as fmt
 from teralm.kernels.fp8 import E4M3, quantize_fp8
 
 LATEST = "latest.json"
 KEEP = 2
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
@@ -67,7 +59,9 @@ def save(run: Path, step: int, model: torch.nn.Module, optimizer, state: dict) -
     opt_tensors, opt_rest = optimizer_tensors(optimizer)
     opt_tensors["torch_rng"] = torch.get_rng_state()
     save_file(opt_tensors, tmp / "optimizer.safetensors")
-    files = {name: _sha256(tmp / name) for name in ("model.safetensors", "optimizer.safetensors")}
+    files = {
+        name: sha256_file(tmp / name) for name in ("model.safetensors", "optimizer.safetensors")
+    }
     record = {**state, "step": step, "optimizer": opt_rest, "files": files}
     (tmp / "state.json").write_text(json.dumps(record, indent=1))
     for path in tmp.iterdir():
@@ -101,7 +95,7 @@ def load(folder: Path) -> tuple[dict, dict, dict]:
         raise ValueError(f"checkpoint {folder} has no readable state.json ({e})") from None
     for name, digest in state.get("files", {}).items():
         path = folder / name
-        if not path.exists() or _sha256(path) != digest:
+        if not path.exists() or sha256_file(path) != digest:
             raise ValueError(f"checkpoint file {path} is missing, truncated or damaged")
     try:
         model = load_file(folder / "model.safetensors")
@@ -152,9 +146,8 @@ def export_fp8(model: torch.nn.Module, state: dict, out: Path) -> Path:
             q = (value * scale).to(E4M3)
         else:
             q, scale = quantize_fp8(value, E4M3)
-        tensors[name], tensors[f"{name}.scale"] = q.contiguous(), scale.reshape(-1).contiguous()
-        if scale.numel() > 1:
-            tensors[f"{name}.scale"] = scale.contiguous()
+        tensors[name] = q.contiguous()
+        tensors[f"{name}.scale"] = (scale if scale.numel() > 1 else scale.reshape(1)).contiguous()
     tmp = out / "model-fp8.safetensors.tmp"
     save_file(tensors, tmp)
     os.replace(tmp, out / "model-fp8.safetensors")
