@@ -18,6 +18,9 @@ class TrainConfig:
     ``schedule``: ``cosine`` (linear warmup, cosine decay to ``min_lr_ratio``) or ``wsd``
     (warmup, constant, then linear decay over the last ``decay_fraction`` of the steps).
     ``holdout_every``: documents whose id is a multiple of it are held out (never trained on).
+    ``own_loss_weight``: with an ∞-gram mixture, the loss adds this times the model's own
+    (unmixed) loss, so the model stays a good predictor where the ∞-gram is weak or silent
+    instead of learning only what the ∞-gram misses.
     """
 
     batch_size: int = 16
@@ -39,6 +42,7 @@ class TrainConfig:
     compile: bool = False
     seed: int = 0
     holdout_every: int = 50
+    own_loss_weight: float = 0.5
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:

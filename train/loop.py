@@ -188,7 +188,12 @@ def train(
                 if gate is not None:
                     gate = model.gate_logit(gate, batch.infgram_total)
                 loss = index_lm_loss(
-                    logits, gate, batch.targets, batch.infgram_total, batch.infgram_hits
+                    logits,
+                    gate,
+                    batch.targets,
+                    batch.infgram_total,
+                    batch.infgram_hits,
+                    own_weight=cfg.own_loss_weight if gate is not None else 0.0,
                 )
                 loss = loss / cfg.grad_accum
                 loss.backward()
