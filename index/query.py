@@ -82,8 +82,8 @@ class QueryEngine:
                 )
             )
         self.shards = tuple(shards)
-        # one typed list for the kernel: passing it costs the same whatever the shard count
-        self._kernel_shards = kq.shard_list(self.shards)
+        # for the kernels: two arrays, cheap to pass whatever the shard count
+        self._kernel_shards = kq.shard_table(self.shards)
         self._thread_local = threading.local()
         buckets = np.memmap(index.directory / fmt.BUCKETS, dtype=fmt.BUCKET_DTYPE, mode="r")
         self.buckets = np.asarray(buckets).reshape(len(shards), fmt.NUM_BUCKETS + 1)
@@ -100,19 +100,26 @@ class QueryEngine:
             return np.zeros((0, 0), dtype=np.int64)
         return kq.pair_counts(self.buckets)
 
-    def _scratch(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per-thread kernel scratch arrays (a zeroed tally and a list of tokens seen)."""
+    def _scratch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per-thread kernel scratch arrays: a zeroed tally and a list of tokens seen (of
+        ``vocab`` entries each), and the context bounds ``[0, n]`` of a single query."""
         local = self._thread_local
         if not hasattr(local, "scratch"):
             vocab = self.index.vocab_size
-            local.scratch = (np.zeros(vocab, np.int64), np.empty(vocab, np.int64))
+            local.scratch = (
+                np.zeros(vocab, np.int64),
+                np.empty(vocab, np.int64),
+                np.zeros(2, np.int64),
+            )
         return local.scratch
 
     def _lookup(self, contexts, need_follower: bool, exact_limit: int, top_k: int | None):
         """Run the lookup kernel on a batch (a list of token sequences or a 2-D array)."""
+        tally, seen, single = self._scratch()
         if len(contexts) == 1:  # the common single query, without list handling
             flat = np.asarray(contexts[0], dtype=np.int64).ravel()
-            starts = np.array([0, flat.size], dtype=np.int64)
+            single[1] = flat.size
+            starts = single
         elif isinstance(contexts, np.ndarray) and contexts.ndim == 2:
             flat = contexts.astype(np.int64).ravel()
             starts = np.arange(len(contexts) + 1, dtype=np.int64) * contexts.shape[1]
@@ -135,7 +142,8 @@ class QueryEngine:
             need_follower,
             exact_limit,
             top_k or 0,
-            *self._scratch(),
+            tally,
+            seen,
         )
         if bad >= 0:
             vocab = self.index.vocab_size
@@ -160,6 +168,8 @@ class QueryEngine:
         that token, and a token seen fewer than ``stride`` times may be missing.
         """
         _, _, offsets, rows = self._lookup(contexts, True, exact_limit, top_k)
+        if len(offsets) == 2:  # one context: all rows
+            return [(rows[:, 0], rows[:, 1])]
         return [(rows[a:b, 0], rows[a:b, 1]) for a, b in zip(offsets[:-1], offsets[1:])]
 
     def probability(self, contexts, tokens) -> Probability:

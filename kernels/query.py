@@ -11,8 +11,8 @@ galloping outwards. The tokens that follow a block are one contiguous slice of `
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
-from numba.typed import List
+from numba import carray, njit, types
+from numba.extending import intrinsic
 from teralm.kernels.match import _doc_depth
 
 
@@ -37,6 +37,21 @@ def _common(shard, doc_bits, separator, i, ctx, end, limit):
     return limit, True
 
 
+@njit(cache=True, inline="always")
+def _bucket(buckets, elem_bits, ctx, end, m):
+    """The query's first key word (its first ``m`` elements, zero-padded) and the rank range
+    ``[a, b)`` of the bucket table entries that share its leading 16 bits (or its first ``m``
+    elements, when they are fewer bits)."""
+    word = np.uint64(0)
+    for j in range(64 // elem_bits):
+        word <<= np.uint64(elem_bits)
+        if j < m:
+            word |= np.uint64(ctx[end - 1 - j])
+    lead = np.int64(word >> np.uint64(48))
+    width = 1 << (16 - min(16, m * elem_bits))
+    return word, np.int64(buckets[lead]), np.int64(buckets[lead + width])
+
+
 @njit(cache=True)
 def _shard_range(shard, doc_bits, separator, buckets, elem_bits, sample, ctx, end, m):
     """Longest match of the reversed query in this shard: (length, insertion rank, and the
@@ -49,15 +64,7 @@ def _shard_range(shard, doc_bits, separator, buckets, elem_bits, sample, ctx, en
     n = len(shard[2])
     if n == 0 or m == 0:
         return 0, 0, -1, -1
-    per_word = 64 // elem_bits
-    word = np.uint64(0)
-    for j in range(per_word):
-        word <<= np.uint64(elem_bits)
-        if j < m:
-            word |= np.uint64(ctx[end - 1 - j])
-    lead = np.int64(word >> np.uint64(48))
-    width = 1 << (16 - min(16, m * elem_bits))
-    a, b = np.int64(buckets[lead]), np.int64(buckets[lead + width])
+    word, a, b = _bucket(buckets, elem_bits, ctx, end, m)
     keys = shard[4]
     lo, hi = (a + sample - 1) // sample, (b + sample - 1) // sample  # samples in [a, b)
     s0, s1 = lo, hi
@@ -91,13 +98,17 @@ def _shard_range(shard, doc_bits, separator, buckets, elem_bits, sample, ctx, en
 
 
 @njit(cache=True)
-def _expand(shard, doc_bits, separator, ctx, end, length, found):
+def _expand(shard, doc_bits, separator, buckets, elem_bits, ctx, end, length, found):
     """All ranks sharing ``length`` elements with the query, around its insertion point
     (``found`` is what ``_shard_range`` returned; the caller knows that block is not empty):
-    gallop outwards, then binary search."""
+    a bucket when ``length`` elements fit in its 16 bits, else gallop outwards, then binary
+    search."""
     n = len(shard[2])
     if length == 0:
         return 0, n
+    if length * elem_bits <= 16:
+        _, lo, hi = _bucket(buckets, elem_bits, ctx, end, length)
+        return lo, hi
     at, right, left = found[1], found[2], found[3]
 
     def shares(i):
@@ -140,18 +151,51 @@ def pair_counts(shard_buckets: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(sizes.reshape(256, 256).T)
 
 
-@njit(cache=True)
-def shard_list(shards):
-    """The shards' tuple as a typed list (compiled and cached, unlike ``List(shards)``)."""
-    out = List()
+def shard_table(shards) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+    """The shards as the kernels take them, whatever their number, at the cost of two arrays:
+    an int64 table with one row per shard (address and length of tokens, tail, prefix, follow
+    and keys, then start and lowest) and a zero-length array of each of those five arrays'
+    dtype. ``shards[k]`` is (tokens, tail, prefix, follow, keys, start, lowest) of C-contiguous
+    arrays, which the caller must keep alive while the table is in use."""
+    if not shards:
+        raise ValueError("an index without shards has nothing to search")
+    rows = []
     for shard in shards:
-        out.append(shard)
-    return out
+        arrays = shard[:5]
+        if not all(a.flags.c_contiguous for a in arrays):
+            raise ValueError("shard arrays must be C-contiguous")
+        rows.append([v for a in arrays for v in (a.ctypes.data, len(a))] + list(shard[5:]))
+    return np.array(rows, dtype=np.int64), tuple(np.empty(0, a.dtype) for a in shards[0][:5])
+
+
+@intrinsic
+def _pointer(typingctx, address):
+    """The integer ``address`` as a raw pointer."""
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(types.voidptr))
+
+    return types.voidptr(types.int64), codegen
+
+
+@njit(cache=True, inline="always")
+def _shard(shards, k):
+    """Shard ``k`` of a ``shard_table`` as (tokens, tail, prefix, follow, keys, start, lowest)."""
+    row, (tokens, tail, prefix, follow, keys) = shards[0][k], shards[1]
+    return (
+        carray(_pointer(row[0]), row[1], tokens.dtype),
+        carray(_pointer(row[2]), row[3], tail.dtype),
+        carray(_pointer(row[4]), row[5], prefix.dtype),
+        carray(_pointer(row[6]), row[7], follow.dtype),
+        carray(_pointer(row[8]), row[9], keys.dtype),
+        row[10],
+        row[11],
+    )
 
 
 @njit(cache=True)
 def lookup(
-    per_shard,
+    shards,
     shard_buckets,
     elem_bits,
     sample,
@@ -169,7 +213,7 @@ def lookup(
 ):
     """Longest match, its occurrences and next-token counts for a batch of contexts
     (``ctx[ctx_starts[c]:ctx_starts[c+1]]``; only the part after a separator value can match).
-    ``per_shard[k]`` is shard k's (tokens, tail, prefix, follow, keys, start, lowest).
+    ``shards`` is a ``shard_table``.
 
     ``need_follower``: the match must have an occurrence with a next token in its document (the
     ∞-gram's rule); else any occurrence counts (the online features' rule). Next-token counts
@@ -182,38 +226,57 @@ def lookup(
     the vocabulary (-1 if none; then nothing else is computed). ``tally`` (zeros) and ``seen``
     are scratch arrays of ``vocab`` entries; ``tally`` is all zeros again on return.
     """
-    shards = len(per_shard)
+    num_shards = len(shards[0])
     contexts = len(ctx_starts) - 1
     summary = np.zeros((contexts, 4), dtype=np.int64)
-    ranges = np.zeros((contexts, shards, 2), dtype=np.int64)
+    ranges = np.zeros((contexts, num_shards, 2), dtype=np.int64)
     offsets = np.zeros(contexts + 1, dtype=np.int64)
     for i in range(len(ctx)):
         if ctx[i] < 0 or ctx[i] >= vocab:
             return summary, ranges, offsets, np.empty((0, 2), dtype=np.int64), i
-    found = np.zeros((shards, 4), dtype=np.int64)  # _shard_range's answer per shard
+    found = np.zeros((num_shards, 4), dtype=np.int64)  # _shard_range's answer per shard
     rows = np.empty((max(16, contexts * 8), 2), dtype=np.int64)
     for c in range(contexts):
         end, m = ctx_starts[c + 1], 0
         while m < end - ctx_starts[c] and ctx[end - 1 - m] != separator:
             m += 1
         best = 0
-        for k in range(shards):
+        for k in range(num_shards):
             found[k] = _shard_range(
-                per_shard[k], doc_bits, separator, shard_buckets[k], elem_bits, sample, ctx, end, m
+                _shard(shards, k),
+                doc_bits,
+                separator,
+                shard_buckets[k],
+                elem_bits,
+                sample,
+                ctx,
+                end,
+                m,
             )
             best = max(best, found[k, 0])
         while True:
             total, witness = 0, -1
-            for k in range(shards):
+            for k in range(num_shards):
+                shard = _shard(shards, k)
                 lo, hi = 0, 0
-                if found[k, 0] >= best and len(per_shard[k][2]):
-                    lo, hi = _expand(per_shard[k], doc_bits, separator, ctx, end, best, found[k])
+                if found[k, 0] >= best and len(shard[2]):
+                    lo, hi = _expand(
+                        shard,
+                        doc_bits,
+                        separator,
+                        shard_buckets[k],
+                        elem_bits,
+                        ctx,
+                        end,
+                        best,
+                        found[k],
+                    )
                 ranges[c, k, 0], ranges[c, k, 1] = lo, hi
                 total += hi - lo
-                follow = per_shard[k][3]
+                follow = shard[3]
                 for i in range(lo, hi if witness < 0 else lo):
                     if follow[i] != separator:
-                        witness = per_shard[k][5] + np.int64(per_shard[k][2][i])
+                        witness = shard[5] + np.int64(shard[2][i])
                         break
             if witness >= 0 or not need_follower or best == 0:
                 break
@@ -234,9 +297,9 @@ def lookup(
                     distinct += 1
                     followed += tally[f]
         passed = 0
-        for k in range(shards if stride else 0):
+        for k in range(num_shards if stride else 0):
             lo, hi = ranges[c, k, 0], ranges[c, k, 1]
-            follow = per_shard[k][3]
+            follow = _shard(shards, k)[3]
             for i in range(lo + (-passed) % stride, hi, stride):
                 f = follow[i]
                 if f != separator:
@@ -265,7 +328,7 @@ def lookup(
 
 @njit(cache=True)
 def causal_counts(
-    per_shard,
+    shards,
     shard_buckets,
     elem_bits,
     sample,
@@ -288,7 +351,7 @@ def causal_counts(
     """
     contexts = len(ctx_starts) - 1
     out = np.zeros((contexts, 3), dtype=np.int64)
-    ranges = np.zeros((len(per_shard), 2), dtype=np.int64)
+    ranges = np.zeros((len(shards[0]), 2), dtype=np.int64)
     for c in range(contexts):
         end = ctx_starts[c + 1]
         m = 0
@@ -298,9 +361,10 @@ def causal_counts(
             total, hits = 0, 0
             occurrences = 0
             ranges[:] = 0
-            for k in range(len(per_shard)):
+            for k in range(len(shards[0])):
+                shard = _shard(shards, k)
                 found = _shard_range(
-                    per_shard[k],
+                    shard,
                     doc_bits,
                     separator,
                     shard_buckets[k],
@@ -311,14 +375,24 @@ def causal_counts(
                     m,
                 )
                 if found[0] >= m:
-                    lo, hi = _expand(per_shard[k], doc_bits, separator, ctx, end, m, found)
+                    lo, hi = _expand(
+                        shard,
+                        doc_bits,
+                        separator,
+                        shard_buckets[k],
+                        elem_bits,
+                        ctx,
+                        end,
+                        m,
+                        found,
+                    )
                     ranges[k, 0], ranges[k, 1] = lo, hi
                     occurrences += hi - lo
             stride = max(1, (occurrences + exact_limit - 1) // exact_limit)
             passed = 0
-            for k in range(len(per_shard)):
+            for k in range(len(shards[0])):
                 lo, hi = ranges[k, 0], ranges[k, 1]
-                prefix, follow, start = per_shard[k][2], per_shard[k][3], per_shard[k][5]
+                _, _, prefix, follow, _, start, _ = _shard(shards, k)
                 for i in range(lo + (-passed) % stride, hi, stride):
                     if start + np.int64(prefix[i]) + 1 < limits[c] and follow[i] != separator:
                         total += stride
