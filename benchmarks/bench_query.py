@@ -2,10 +2,14 @@
 documents only, id % 50 != 0), against infini-gram's engine and tokengrams on the same bytes.
 
     pip install -e '.[bench]'
-    python benchmarks/bench_query.py [--contexts 10000] [--no-peers]
+    python benchmarks/bench_query.py [--contexts 10000] [--rounds 3] [--no-peers]
 
 Contexts: 32 tokens from held-out documents (id % 50 == 0), and 32 random tokens drawn uniformly
-from the byte values the corpus uses. Prints a table, writes benchmarks/results/bench_query.json.
+from the byte values the corpus uses. teralm answers from two builds of the same bytes: one shard
+(as the peers each search one suffix array) and the default shard size (2 shards here). Every
+tool runs every set once per round, rounds one after another; the table gives the median over
+rounds of each figure, so that a slow spell of the machine does not decide a comparison. Prints a
+table, writes benchmarks/results/bench_query.json.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import argparse
 import gzip
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -71,6 +76,18 @@ def latency(fn, contexts) -> dict:
         "p99_us": float(np.percentile(times, 99)),
         "batched_per_s": len(contexts) / batch,
     }
+
+
+def teralm_index(train: Path, name: str, *options: str) -> Path:
+    """Build (or rebuild, so it matches this code) a teralm index of the training documents."""
+    index_dir = WORK / name
+    cmd = ["build-index", str(train), "--out", str(index_dir), "--quiet", "--force", *options]
+    built = subprocess.run(
+        [sys.executable, "-m", "teralm.cli", *cmd], capture_output=True, text=True
+    )
+    if built.returncode:
+        sys.exit(built.stderr)
+    return index_dir
 
 
 def teralm_runner(index_dir: Path):
@@ -158,59 +175,68 @@ def build_peers(train: Path) -> dict[str, Path]:
     return dirs
 
 
+def median_rows(rounds: list[list[dict]]) -> list[dict]:
+    """One row per (tool, contexts): the median of each figure over the rounds."""
+    rows = []
+    for same in zip(*rounds):
+        row = dict(same[0])
+        for key in ("p50_us", "p99_us", "batched_per_s"):
+            values = [r[key] for r in same if key in r]
+            row[key] = statistics.median(values) if values else None
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, default=10_000)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--online-tokens", type=int, default=200_000)
     parser.add_argument("--no-peers", action="store_true")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     train, held = split_pydocs()
-    index_dir = WORK / "teralm-index"
-    built = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "teralm.cli",
-            "build-index",
-            str(train),
-            "--out",
-            str(index_dir),
-            "--quiet",
-            "--force",
-        ],
-        capture_output=True,
-        text=True,
-    )
-    if built.returncode:
-        sys.exit(built.stderr)
-    ix, teralm_query = teralm_runner(index_dir)
+    builds = {
+        "teralm, 1 shard": teralm_index(train, "teralm-index-1", "--shard-tokens", str(2**28)),
+        "teralm, 2 shards": teralm_index(train, "teralm-index"),
+    }
+    runners = {name: teralm_runner(d) for name, d in builds.items()}
+    ix = runners["teralm, 1 shard"][0]
     used = np.flatnonzero(np.bincount(ix.tokens(0, ix.num_tokens), minlength=256))
     sets = make_contexts(held, used, args.contexts, rng)
     peers = {} if args.no_peers else build_peers(train)
-
-    rows = []
     for name, contexts in sets.items():
-        match = ix.longest_match(contexts)
-        rows.append(
-            {
-                "tool": "teralm",
-                "contexts": name,
-                **latency(teralm_query, contexts),
-                "mean_match": float(match.length.mean()),
-            }
-        )
-        for tool, directory in peers.items():
-            path = WORK / f"contexts-{name}.npy"
-            np.save(path, np.stack(contexts))
-            out = subprocess.run(
-                [sys.executable, "-c", PEER_SCRIPT, tool, str(directory), str(path)],
-                capture_output=True,
-                text=True,
-                env={**os.environ, "HF_HUB_OFFLINE": "1"},
-            )
-            result = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {}
-            rows.append({"tool": tool, "contexts": name, **result})
+        np.save(WORK / f"contexts-{name}.npy", np.stack(contexts))
+
+    rounds = []
+    for _ in range(args.rounds):
+        rows = []
+        for name, contexts in sets.items():
+            for tool, (_, query) in runners.items():
+                rows.append({"tool": tool, "contexts": name, **latency(query, contexts)})
+            for tool, directory in peers.items():
+                out = subprocess.run(
+                    [
+                        sys.executable,
+                        "-c",
+                        PEER_SCRIPT,
+                        tool,
+                        str(directory),
+                        str(WORK / f"contexts-{name}.npy"),
+                    ],
+                    capture_output=True,
+                    text=True,
+                    env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                )
+                result = (
+                    json.loads(out.stdout.strip().splitlines()[-1]) if not out.returncode else {}
+                )
+                rows.append({"tool": tool, "contexts": name, **result})
+        rounds.append(rows)
+    rows = median_rows(rounds)
+    for row in rows:
+        if row["tool"].startswith("teralm"):
+            row["mean_match"] = float(ix.longest_match(sets[row["contexts"]]).length.mean())
 
     from teralm.index.query import OnlineMatcher
 
@@ -223,7 +249,7 @@ def main() -> None:
 
     print(
         f"pydocs training bytes: {ix.num_tokens:,} tokens; {args.contexts:,} contexts "
-        f"of {CONTEXT} tokens per set; 1 process"
+        f"of {CONTEXT} tokens per set; 1 process; median of {args.rounds} rounds"
     )
     print(
         table(
@@ -239,7 +265,17 @@ def main() -> None:
         )
     )
     print(f"OnlineMatcher: {online_us:.1f} µs per token over {len(text):,} held-out tokens")
-    print(f"wrote {save('bench_query', {'rows': rows, 'online_us_per_token': online_us})}")
+    for name in sets:
+        ours = next(r for r in rows if r["contexts"] == name and r["tool"] == "teralm, 1 shard")
+        theirs = [r for r in rows if r["contexts"] == name and r["tool"] in peers and r["p50_us"]]
+        if theirs:
+            p50 = min(r["p50_us"] for r in theirs) / ours["p50_us"]
+            batched = ours["batched_per_s"] / max(r["batched_per_s"] for r in theirs)
+            print(
+                f"{name}: teralm (1 shard) vs the best peer: p50 {p50:.2f}x, batched {batched:.2f}x"
+            )
+    rounds_out = {"rows": rows, "rounds": rounds, "online_us_per_token": online_us}
+    print(f"wrote {save('bench_query', rounds_out)}")
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ class QueryEngine:
     def pairs(self) -> np.ndarray:
         """Byte-pair counts for one-byte matches (byte keys only), from the bucket tables."""
         if self.elem_bits != 8:
-            return np.zeros((0, 0), dtype=np.int64)
+            return np.zeros((0, 0, 2), dtype=np.int64)
         return kq.pair_counts(self.buckets)
 
     def _scratch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

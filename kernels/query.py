@@ -145,10 +145,23 @@ def _expand(shard, doc_bits, separator, buckets, elem_bits, ctx, end, length, fo
 
 
 def pair_counts(shard_buckets: np.ndarray) -> np.ndarray:
-    """``pairs[a, f]``: how often byte ``f`` follows byte ``a`` inside a document, from the
-    bucket tables of a byte-keyed index (bucket ``(f, a)`` holds the keys starting ``f, a``)."""
+    """``pairs[a]``: the bytes that follow byte ``a`` inside a document as rows ``(byte, count)``,
+    most frequent first (ties by byte), then rows of count 0; from the bucket tables of a
+    byte-keyed index (bucket ``(f, a)`` holds the keys starting ``f, a``)."""
     sizes = np.diff(shard_buckets.astype(np.int64), axis=1).sum(axis=0)
-    return np.ascontiguousarray(sizes.reshape(256, 256).T)
+    counts = sizes.reshape(256, 256).T  # counts[a, f]
+    order = np.argsort(-counts, axis=1, kind="stable")
+    return np.ascontiguousarray(np.stack([order, np.take_along_axis(counts, order, 1)], axis=-1))
+
+
+@njit(cache=True, inline="always")
+def _room(rows, size):
+    """``rows``, or a copy at least twice as long, with room for ``size`` rows."""
+    if size <= len(rows):
+        return rows
+    grown = np.empty((max(2 * len(rows), size), 2), dtype=rows.dtype)
+    grown[: len(rows)] = rows
+    return grown
 
 
 def shard_table(shards) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
@@ -218,8 +231,8 @@ def lookup(
     ``need_follower``: the match must have an occurrence with a next token in its document (the
     ∞-gram's rule); else any occurrence counts (the online features' rule). Next-token counts
     are a histogram of the ``.follow`` slices: exact up to ``exact_limit`` occurrences (and
-    for one-byte matches, from ``pairs[a, f]``, the count of byte ``f`` after byte ``a``, when
-    keys are bytes; else it is empty), else every stride-th occurrence counts ``stride`` times. Returns per context ``summary[c] = (length, occurrences,
+    for one-byte matches, from ``pairs`` of ``pair_counts`` when keys are bytes; else it is
+    empty), else every stride-th occurrence counts ``stride`` times. Returns per context ``summary[c] = (length, occurrences,
     occurrences with a follower, a position with a follower or -1)`` and the rank range in every
     shard; then the distributions as ``offsets`` and rows ``(token, count)``, most frequent
     first, ``top_k`` each (all if ``top_k <= 0``); and the index of the first token outside
@@ -288,41 +301,39 @@ def lookup(
         if exact_limit > 0:
             stride = 1 if total <= exact_limit else (total + exact_limit - 1) // exact_limit
         if stride and best == 1 and len(pairs):
-            # a one-byte match: the pair table counts exactly the bytes f that follow byte a
-            stride, a = 0, ctx[end - 1]
-            for f in range(vocab):
-                if pairs[a, f]:
-                    tally[f] = pairs[a, f]
-                    seen[distinct] = f
-                    distinct += 1
-                    followed += tally[f]
-        passed = 0
-        for k in range(num_shards if stride else 0):
-            lo, hi = ranges[c, k, 0], ranges[c, k, 1]
-            follow = _shard(shards, k)[3]
-            for i in range(lo + (-passed) % stride, hi, stride):
-                f = follow[i]
-                if f != separator:
-                    if tally[f] == 0:
-                        seen[distinct] = f
-                        distinct += 1
-                    tally[f] += stride
-                    followed += stride
-            passed += hi - lo
+            # a one-byte match: the pair table holds the bytes that follow it, sorted
+            a = ctx[end - 1]
+            while distinct < vocab and pairs[a, distinct, 1] > 0:
+                followed += pairs[a, distinct, 1]
+                distinct += 1
+            keep = distinct if top_k <= 0 else min(top_k, distinct)
+            rows = _room(rows, offsets[c] + keep)
+            rows[offsets[c] : offsets[c] + keep] = pairs[a, :keep]
+        else:
+            passed = 0
+            for k in range(num_shards if stride else 0):
+                lo, hi = ranges[c, k, 0], ranges[c, k, 1]
+                follow = _shard(shards, k)[3]
+                for i in range(lo + (-passed) % stride, hi, stride):
+                    f = follow[i]
+                    if f != separator:
+                        if tally[f] == 0:
+                            seen[distinct] = f
+                            distinct += 1
+                        tally[f] += stride
+                        followed += stride
+                passed += hi - lo
+            order = np.argsort(-tally[seen[:distinct]] * (vocab + 1) + seen[:distinct])
+            keep = distinct if top_k <= 0 else min(top_k, distinct)
+            rows = _room(rows, offsets[c] + keep)
+            for j in range(keep):
+                f = seen[order[j]]
+                rows[offsets[c] + j, 0] = f
+                rows[offsets[c] + j, 1] = tally[f]
+            for j in range(distinct):
+                tally[seen[j]] = 0
         summary[c, 2] = followed
-        order = np.argsort(-tally[seen[:distinct]] * (vocab + 1) + seen[:distinct])
-        keep = distinct if top_k <= 0 else min(top_k, distinct)
-        if offsets[c] + keep > len(rows):
-            grown = np.empty((max(2 * len(rows), offsets[c] + keep), 2), dtype=np.int64)
-            grown[: offsets[c]] = rows[: offsets[c]]
-            rows = grown
-        for j in range(keep):
-            f = seen[order[j]]
-            rows[offsets[c] + j, 0] = f
-            rows[offsets[c] + j, 1] = tally[f]
         offsets[c + 1] = offsets[c] + keep
-        for j in range(distinct):
-            tally[seen[j]] = 0
     return summary, ranges, offsets, rows[: offsets[contexts]], -1
 
 
