@@ -82,7 +82,7 @@ class QueryEngine:
                 )
             )
         self.shards = tuple(shards)
-        # for the kernels: two arrays, cheap to pass whatever the shard count
+        # for the kernels: addresses of the arrays in self.shards, which keeps them alive
         self._kernel_shards = kq.shard_table(self.shards)
         self._thread_local = threading.local()
         buckets = np.memmap(index.directory / fmt.BUCKETS, dtype=fmt.BUCKET_DTYPE, mode="r")
@@ -95,7 +95,8 @@ class QueryEngine:
 
     @cached_property
     def pairs(self) -> np.ndarray:
-        """Byte-pair counts for one-byte matches (byte keys only), from the bucket tables."""
+        """The followers of each byte with their counts, sorted (``kernels.query.pair_counts``),
+        for one-byte matches of a byte-keyed index; empty for other indexes."""
         if self.elem_bits != 8:
             return np.zeros((0, 0, 2), dtype=np.int64)
         return kq.pair_counts(self.buckets)

@@ -4,8 +4,9 @@ Key element ``j`` of position ``p`` is ``x[p-j]`` while that lies inside the doc
 than ``overlap`` tokens before the shard, then the separator. A query (a context read backwards)
 is looked up by one binary search for its insertion point (first over the bucket table and the
 sampled key words of ``.keys``, then over ``.prefix`` itself); the entries sharing most elements
-with it sit next to that point, and those sharing ``l`` elements form a block around it, found by
-galloping outwards. The tokens that follow a block are one contiguous slice of ``.follow``.
+with it sit next to that point, and those sharing ``l`` elements form a block around it: a
+bucket when ``l`` elements fit in the bucket's 16 bits, else found by galloping outwards. The
+tokens that follow a block are one contiguous slice of ``.follow``.
 """
 
 from __future__ import annotations
@@ -172,11 +173,13 @@ def shard_table(shards) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
     arrays, which the caller must keep alive while the table is in use."""
     if not shards:
         raise ValueError("an index without shards has nothing to search")
-    rows = []
+    rows, dtypes = [], [a.dtype for a in shards[0][:5]]
     for shard in shards:
         arrays = shard[:5]
-        if not all(a.flags.c_contiguous for a in arrays):
-            raise ValueError("shard arrays must be C-contiguous")
+        if not all(a.ndim == 1 and a.flags.c_contiguous for a in arrays):
+            raise ValueError("shard arrays must be one-dimensional and C-contiguous")
+        if [a.dtype for a in arrays] != dtypes:
+            raise ValueError("all shards must have arrays of the same dtypes")
         rows.append([v for a in arrays for v in (a.ctypes.data, len(a))] + list(shard[5:]))
     return np.array(rows, dtype=np.int64), tuple(np.empty(0, a.dtype) for a in shards[0][:5])
 
@@ -303,7 +306,7 @@ def lookup(
         if stride and best == 1 and len(pairs):
             # a one-byte match: the pair table holds the bytes that follow it, sorted
             a = ctx[end - 1]
-            while distinct < vocab and pairs[a, distinct, 1] > 0:
+            while distinct < pairs.shape[1] and pairs[a, distinct, 1] > 0:
                 followed += pairs[a, distinct, 1]
                 distinct += 1
             keep = distinct if top_k <= 0 else min(top_k, distinct)

@@ -299,16 +299,15 @@ def index_lm_loss(
     infgram_total: torch.Tensor,
     infgram_hits: torch.Tensor,
     reduce: bool = True,
-    own_weight: float = 0.0,
-) -> torch.Tensor:
-    """Next-token negative log-likelihood in nats (mean, or per token without ``reduce``) of
-    the model mixed with the ∞-gram (``hits / total`` for each target; none without a gate),
-    plus ``own_weight`` times the model's own negative log-likelihood, unmixed."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token negative log-likelihoods in nats (means, or per token without ``reduce``):
+    of the model mixed with the ∞-gram (``hits / total`` for each target; the model alone
+    without a gate), and of the model alone."""
     logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[..., None])[..., 0]
     seen = infgram_total > 0
     p = infgram_hits.float() / infgram_total.clamp(min=1).float()
-    nll = -mixture_logp(logp, gate, p, seen) - own_weight * logp
-    return nll.mean() if reduce else nll
+    mixed = -mixture_logp(logp, gate, p, seen)
+    return (mixed.mean(), -logp.mean()) if reduce else (mixed, -logp)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -97,7 +97,7 @@ def _train(args: argparse.Namespace) -> int:
 def _saved_config(run: Path):
     from teralm.train.config import RunConfig
 
-    return RunConfig.from_dict(json.loads((run / "config.json").read_text())["config"])
+    return RunConfig.from_saved(json.loads((run / "config.json").read_text())["config"])
 
 
 def _eval(args: argparse.Namespace) -> int:

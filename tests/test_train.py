@@ -166,6 +166,17 @@ def test_bad_checkpoints_get_clear_errors(corpus, tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def test_saved_configs_keep_the_settings_they_trained_with():
+    from teralm.train.config import RunConfig, load_config
+
+    saved = load_config("tiny", None).to_dict()
+    del saved["train"]["own_loss_weight"]  # a run saved before the setting existed
+    assert RunConfig.from_saved(saved).train.own_loss_weight == 0.0
+    assert RunConfig.from_dict(saved).train.own_loss_weight == 0.5
+    with pytest.raises(ValueError, match="own_loss_weight"):
+        RunConfig.from_dict({"train": {"own_loss_weight": -1.0}})
+
+
 def test_eval_json_and_fp8_export(corpus, tmp_path):
     config = tmp_path / "tiny.toml"
     config.write_text(TINY.replace("max_steps = 40", "max_steps = 10"))

@@ -9,6 +9,8 @@ import tomllib
 from teralm.model.config import ModelConfig
 
 SCHEDULES = ("cosine", "wsd")
+# training settings added later, with the value that means "as runs trained before them"
+ADDED_SINCE = {"own_loss_weight": 0.0}
 
 
 @dataclass
@@ -50,6 +52,8 @@ class TrainConfig:
         for name in ("batch_size", "seq_len", "grad_accum", "max_steps", "holdout_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if not 0 <= self.own_loss_weight < float("inf"):
+            raise ValueError("own_loss_weight must be a finite number >= 0")
 
 
 @dataclass
@@ -59,6 +63,13 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return {"model": self.model.to_dict(), "train": asdict(self.train)}
+
+    @classmethod
+    def from_saved(cls, data: dict) -> RunConfig:
+        """A run's saved config. A setting added after the run was saved takes the value that
+        reproduces how the run trained, not today's default."""
+        train = {**ADDED_SINCE, **data.get("train", {})}
+        return cls.from_dict({**data, "train": train})
 
     @classmethod
     def from_dict(cls, data: dict) -> RunConfig:

@@ -82,7 +82,7 @@ def score(
             logits, gate = model(tokens, next_token, match_len, with_gate=True)
         if gate is not None:
             gate = model.gate_logit(gate, torch.from_numpy(total)[None].to(device))
-        nll = index_lm_loss(
+        nll, _ = index_lm_loss(
             logits[0],
             None if gate is None else gate[0],
             targets[0],

@@ -82,7 +82,7 @@ class TrainResult:
 
 def check_resumable(saved: dict, config: RunConfig, identity: dict) -> None:
     """Refuse to resume a run whose model, training settings or index differ."""
-    old = RunConfig.from_dict(saved["config"])
+    old = RunConfig.from_saved(saved["config"])
     if old.model != config.model:
         diff = [
             f"{k}: {v!r} -> {config.model.to_dict()[k]!r}"
@@ -187,17 +187,12 @@ def train(
                     )
                 if gate is not None:
                     gate = model.gate_logit(gate, batch.infgram_total)
-                loss = index_lm_loss(
-                    logits,
-                    gate,
-                    batch.targets,
-                    batch.infgram_total,
-                    batch.infgram_hits,
-                    own_weight=cfg.own_loss_weight if gate is not None else 0.0,
+                mixed, own = index_lm_loss(
+                    logits, gate, batch.targets, batch.infgram_total, batch.infgram_hits
                 )
-                loss = loss / cfg.grad_accum
-                loss.backward()
-                total += loss.item()
+                loss = mixed + cfg.own_loss_weight * own if gate is not None else mixed
+                (loss / cfg.grad_accum).backward()
+                total += mixed.item() / cfg.grad_accum
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
