@@ -63,6 +63,30 @@ def test_fragments_avoid_held_out_documents(corpus):
     assert (again.batch(7).tokens == sampler.batch(7).tokens).all()
 
 
+def test_index_dropout_hides_features_of_whole_fragments(corpus):
+    ix = corpus
+    args = dict(seq_len=16, batch_size=8, seed=3, holdout_every=5, infgram=True)
+    plain = FragmentSampler(ix, **args)
+    dropping = FragmentSampler(ix, index_dropout=0.5, **args)
+    dropped_rows = kept_rows = 0
+    for step in range(10):
+        a, b = plain.batch(step), dropping.batch(step)
+        assert (a.tokens == b.tokens).all() and (a.targets == b.targets).all()
+        for i in range(8):
+            if (b.match_len[i] == 0).all() and (b.next_token[i] == ix.no_token).all():
+                assert (b.infgram_total[i] == 0).all() and (b.infgram_hits[i] == 0).all()
+                dropped_rows += int((a.match_len[i] > 0).any())
+            else:
+                for name in ("next_token", "match_len", "infgram_total", "infgram_hits"):
+                    assert (getattr(a, name)[i] == getattr(b, name)[i]).all()
+                kept_rows += 1
+    assert dropped_rows > 10 and kept_rows > 10
+    assert (
+        dropping.batch(4).match_len
+        == FragmentSampler(ix, index_dropout=0.5, **args).batch(4).match_len
+    ).all()
+
+
 def brute_causal(x, doc_ids, t, length):
     """Longest suffix (<= length) of the context before t with an occurrence ending at p,
     p + 1 < t, followed inside its document: (m, total, hits)."""

@@ -10,7 +10,7 @@ from teralm.model.config import ModelConfig
 
 SCHEDULES = ("cosine", "wsd")
 # training settings added later, with the value that means "as runs trained before them"
-ADDED_SINCE = {"own_loss_weight": 0.0}
+ADDED_SINCE = {"own_loss_weight": 0.0, "index_dropout": 0.0}
 
 
 @dataclass
@@ -22,7 +22,8 @@ class TrainConfig:
     ``holdout_every``: documents whose id is a multiple of it are held out (never trained on).
     ``own_loss_weight``: with an ∞-gram mixture, the loss adds this times the model's own
     (unmixed) loss, so the model stays a good predictor where the ∞-gram is weak or silent
-    instead of learning only what the ∞-gram misses.
+    instead of learning only what the ∞-gram misses. ``index_dropout``: the fraction of
+    training fragments shown without index features or ∞-gram, as new text would be.
     """
 
     batch_size: int = 16
@@ -45,6 +46,7 @@ class TrainConfig:
     seed: int = 0
     holdout_every: int = 50
     own_loss_weight: float = 0.5
+    index_dropout: float = 0.1
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -54,6 +56,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be at least 1")
         if not 0 <= self.own_loss_weight < float("inf"):
             raise ValueError("own_loss_weight must be a finite number >= 0")
+        if not 0 <= self.index_dropout <= 1:
+            raise ValueError("index_dropout must be between 0 and 1")
 
 
 @dataclass

@@ -99,7 +99,10 @@ def causal_infgram(
 
 
 class FragmentSampler:
-    """Deterministic random fragments of ``seq_len + 1`` tokens from the training spans."""
+    """Deterministic random fragments of ``seq_len + 1`` tokens from the training spans.
+
+    A fraction ``index_dropout`` of the fragments, drawn per batch, come without index
+    features and without ∞-gram counts, as text the index has never seen would."""
 
     def __init__(
         self,
@@ -109,9 +112,10 @@ class FragmentSampler:
         seed: int,
         holdout_every: int,
         infgram: bool = False,
+        index_dropout: float = 0.0,
     ):
         self.ix, self.seq_len, self.batch_size, self.seed = ix, seq_len, batch_size, seed
-        self.infgram = infgram
+        self.infgram, self.index_dropout = infgram, index_dropout
         spans = training_spans(ix, holdout_every)
         room = spans[:, 1] - spans[:, 0] - seq_len  # fragment starts per span
         self.spans = spans[room > 0]
@@ -134,12 +138,14 @@ class FragmentSampler:
         span = np.searchsorted(self.cumulative, picks, side="right")
         before = np.where(span > 0, self.cumulative[np.maximum(span - 1, 0)], 0)
         starts = self.spans[span, 0] + (picks - before)
+        dropped = rng.random(self.batch_size) < self.index_dropout
         parts = []
-        for s in map(int, starts):
-            counts = (
-                causal_infgram(self.ix, s + 1, self.seq_len, 0)
-                if self.infgram
-                else (np.zeros(self.seq_len, np.int64),) * 2
-            )
-            parts.append((*fragment(self.ix, s, self.seq_len), *counts))
+        for s, drop in zip(map(int, starts), dropped):
+            tokens, next_token, match_len, targets = fragment(self.ix, s, self.seq_len)
+            counts = (np.zeros(self.seq_len, np.int64),) * 2
+            if drop:  # as if the text were new to the index: no match, no ∞-gram
+                next_token[:], match_len[:] = self.ix.no_token, 0
+            elif self.infgram:
+                counts = causal_infgram(self.ix, s + 1, self.seq_len, 0)
+            parts.append((tokens, next_token, match_len, targets, *counts))
         return Batch(*(torch.from_numpy(np.stack(column)) for column in zip(*parts)))

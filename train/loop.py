@@ -152,6 +152,7 @@ def train(
         cfg.seed,
         cfg.holdout_every,
         infgram=model.mixture_gate is not None,
+        index_dropout=cfg.index_dropout if config.model.index_input else 0.0,
     )
     (run / "config.json").write_text(
         json.dumps({"config": config.to_dict(), "index": identity}, indent=1)
