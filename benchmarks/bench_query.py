@@ -3,10 +3,12 @@ documents only, id % 50 != 0), against infini-gram's engine and tokengrams on th
 
     pip install -e '.[bench]'
     python benchmarks/bench_query.py [--contexts 10000] [--rounds 3] [--no-peers]
+        [--shard-tokens 268435456,33554432] [--results bench_query]
 
 Contexts: 32 tokens from held-out documents (id % 50 == 0), and 32 random tokens drawn uniformly
-from the byte values the corpus uses. teralm answers from two builds of the same bytes: one shard
-(as the peers each search one suffix array) and the default shard size (2 shards here). Every
+from the byte values the corpus uses. teralm answers from builds of the same bytes with the shard
+sizes of --shard-tokens: by default one shard (as the peers each search one suffix array) and the
+default shard size (2 shards here). Every
 tool runs every set once per round, rounds one after another; the table gives the median over
 rounds of each figure, so that a slow spell of the machine does not decide a comparison. Prints a
 table, writes benchmarks/results/bench_query.json.
@@ -193,15 +195,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--online-tokens", type=int, default=200_000)
     parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument(
+        "--shard-tokens",
+        default=f"{2**28},{2**25}",
+        help="comma-separated shard sizes of the teralm builds (default: one shard here, and "
+        "the default size); the first is compared with the peers",
+    )
+    parser.add_argument("--results", default="bench_query", help="name of the JSON result")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     train, held = split_pydocs()
-    builds = {
-        "teralm, 1 shard": teralm_index(train, "teralm-index-1", "--shard-tokens", str(2**28)),
-        "teralm, 2 shards": teralm_index(train, "teralm-index"),
-    }
-    runners = {name: teralm_runner(d) for name, d in builds.items()}
-    ix = runners["teralm, 1 shard"][0]
+    runners = {}
+    for size in map(int, args.shard_tokens.split(",")):
+        built = teralm_runner(
+            teralm_index(train, f"teralm-index-{size}", "--shard-tokens", str(size))
+        )
+        shards = len(built[0].manifest["shards"])
+        runners[f"teralm, {shards} shard{'s' if shards > 1 else ''}"] = built
+    first = next(iter(runners))
+    ix = runners[first][0]
     used = np.flatnonzero(np.bincount(ix.tokens(0, ix.num_tokens), minlength=256))
     sets = make_contexts(held, used, args.contexts, rng)
     peers = {} if args.no_peers else build_peers(train)
@@ -266,16 +278,14 @@ def main() -> None:
     )
     print(f"OnlineMatcher: {online_us:.1f} µs per token over {len(text):,} held-out tokens")
     for name in sets:
-        ours = next(r for r in rows if r["contexts"] == name and r["tool"] == "teralm, 1 shard")
+        ours = next(r for r in rows if r["contexts"] == name and r["tool"] == first)
         theirs = [r for r in rows if r["contexts"] == name and r["tool"] in peers and r["p50_us"]]
         if theirs:
             p50 = min(r["p50_us"] for r in theirs) / ours["p50_us"]
             batched = ours["batched_per_s"] / max(r["batched_per_s"] for r in theirs)
-            print(
-                f"{name}: teralm (1 shard) vs the best peer: p50 {p50:.2f}x, batched {batched:.2f}x"
-            )
+            print(f"{name}: {first} vs the best peer: p50 {p50:.2f}x, batched {batched:.2f}x")
     rounds_out = {"rows": rows, "rounds": rounds, "online_us_per_token": online_us}
-    print(f"wrote {save('bench_query', rounds_out)}")
+    print(f"wrote {save(args.results, rounds_out)}")
 
 
 if __name__ == "__main__":
