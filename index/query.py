@@ -125,10 +125,7 @@ class QueryEngine:
             flat = contexts.astype(np.int64).ravel()
             starts = np.arange(len(contexts) + 1, dtype=np.int64) * contexts.shape[1]
         else:
-            parts = [np.asarray(c, dtype=np.int64).ravel() for c in contexts]
-            starts = np.zeros(len(parts) + 1, dtype=np.int64)
-            np.cumsum([len(p) for p in parts], out=starts[1:])
-            flat = np.concatenate(parts) if parts else np.empty(0, np.int64)
+            flat, starts = _flatten(contexts)
         summary, ranges, offsets, rows, bad = kq.lookup(
             self._kernel_shards,
             self.buckets,
@@ -150,6 +147,25 @@ class QueryEngine:
             vocab = self.index.vocab_size
             raise ValueError(f"token {int(flat[bad])} is outside the vocabulary 0..{vocab - 1}")
         return summary, ranges, offsets, rows
+
+    def causal_counts(self, contexts, limits, targets, exact_limit: int = EXACT_LIMIT):
+        """Per context, ``(length, total, hits)`` of the ∞-gram of position ``limits[c]`` seeing
+        only earlier text (``contexts[c]`` ends just before it; ``targets[c]`` is the token
+        there); see ``teralm.kernels.query.causal_counts``."""
+        flat, starts = _flatten(contexts)
+        return kq.causal_counts(
+            self._kernel_shards,
+            self.buckets,
+            self.elem_bits,
+            fmt.KEY_SAMPLE,
+            self.doc_bits,
+            self.separator,
+            flat,
+            starts,
+            np.asarray(limits, dtype=np.int64),
+            np.asarray(targets, dtype=np.int64),
+            exact_limit,
+        )
 
     def longest_match(self, contexts) -> MatchResult:
         """Longest suffix of each context that occurs followed by one more token of its document."""
@@ -230,6 +246,14 @@ class QueryEngine:
                     }
                 )
         return hits
+
+
+def _flatten(contexts) -> tuple[np.ndarray, np.ndarray]:
+    """Token sequences as one int64 array and the bounds of each (``starts``, one more)."""
+    parts = [np.asarray(c, dtype=np.int64).ravel() for c in contexts]
+    starts = np.zeros(len(parts) + 1, dtype=np.int64)
+    np.cumsum([len(p) for p in parts], out=starts[1:])
+    return (np.concatenate(parts) if parts else np.empty(0, np.int64)), starts
 
 
 def _map(directory, k: int, kind: str, dtype, size: int) -> np.ndarray:

@@ -39,6 +39,16 @@ def _common(shard, doc_bits, separator, i, ctx, end, limit):
 
 
 @njit(cache=True, inline="always")
+def _matchable(ctx, begin, end, separator):
+    """How many of the last tokens of ``ctx[begin:end]`` can match: those after its last
+    separator value."""
+    m = 0
+    while m < end - begin and ctx[end - 1 - m] != separator:
+        m += 1
+    return m
+
+
+@njit(cache=True, inline="always")
 def _bucket(buckets, elem_bits, ctx, end, m):
     """The query's first key word (its first ``m`` elements, zero-padded) and the rank range
     ``[a, b)`` of the bucket table entries that share its leading 16 bits (or its first ``m``
@@ -253,9 +263,8 @@ def lookup(
     found = np.zeros((num_shards, 4), dtype=np.int64)  # _shard_range's answer per shard
     rows = np.empty((max(16, contexts * 8), 2), dtype=np.int64)
     for c in range(contexts):
-        end, m = ctx_starts[c + 1], 0
-        while m < end - ctx_starts[c] and ctx[end - 1 - m] != separator:
-            m += 1
+        end = ctx_starts[c + 1]
+        m = _matchable(ctx, ctx_starts[c], end, separator)
         best = 0
         for k in range(num_shards):
             found[k] = _shard_range(
@@ -368,9 +377,7 @@ def causal_counts(
     ranges = np.zeros((len(shards[0]), 2), dtype=np.int64)
     for c in range(contexts):
         end = ctx_starts[c + 1]
-        m = 0
-        while m < end - ctx_starts[c] and ctx[end - 1 - m] != separator:
-            m += 1
+        m = _matchable(ctx, ctx_starts[c], end, separator)
         while m > 0:
             total, hits = 0, 0
             occurrences = 0

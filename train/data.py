@@ -13,10 +13,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from teralm.index import Index
-from teralm.index import format as fmt
-from teralm.kernels import query as kq
-
-INFGRAM_EXACT_LIMIT = 1 << 14
 
 
 @dataclass
@@ -73,28 +69,13 @@ def causal_infgram(
     """``(total, hits)``: the ∞-gram counts of target positions ``first .. first+count-1`` seeing
     only earlier text, each starting from the stored longest earlier match of its context (which
     never reaches before ``doc_start``, the scored document's start)."""
-    engine = ix.query
     lengths = ix.features(first - 1, first + count - 1).match_len.astype(np.int64)
     reach = max(doc_start, first - 1 - int(lengths.max(initial=0)))
     text = ix.tokens(reach, first + count).astype(np.int64)
     ends = np.arange(first, first + count) - reach  # context of target t ends at t - 1
     begins = np.maximum(ends - lengths, doc_start - reach)
     parts = [text[b:e] for b, e in zip(begins, ends)]
-    ctx_starts = np.zeros(count + 1, dtype=np.int64)
-    np.cumsum([len(p) for p in parts], out=ctx_starts[1:])
-    out = kq.causal_counts(
-        engine._kernel_shards,
-        engine.buckets,
-        engine.elem_bits,
-        fmt.KEY_SAMPLE,
-        engine.doc_bits,
-        engine.separator,
-        np.concatenate(parts),
-        ctx_starts,
-        np.arange(first, first + count, dtype=np.int64),
-        text[ends],
-        INFGRAM_EXACT_LIMIT,
-    )
+    out = ix.query.causal_counts(parts, np.arange(first, first + count), text[ends])
     return out[:, 1], out[:, 2]
 
 
