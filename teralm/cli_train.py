@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from teralm.model.config import PRECISIONS
+from teralm.train.config import PRESETS
 
 
 def add_parsers(sub) -> None:
@@ -15,7 +16,7 @@ def add_parsers(sub) -> None:
     t.add_argument("--index", type=Path, required=True, help="index folder (build-index)")
     t.add_argument("--out", type=Path, required=True, help="run folder")
     group = t.add_mutually_exclusive_group()
-    group.add_argument("--preset", choices=["tiny", "125m", "1.5b"], default=None)
+    group.add_argument("--preset", choices=list(PRESETS), default=None)
     group.add_argument("--config", type=Path, help="TOML file with [model] and [train] tables")
     t.add_argument("--resume", action="store_true", help="continue the run in --out")
     t.add_argument("--no-index-input", action="store_true", help="ablation: no index features")

@@ -87,8 +87,9 @@ def latest(run: Path) -> Path | None:
     return run / name
 
 
-def load(folder: Path) -> tuple[dict, dict, dict]:
-    """``(model tensors, optimizer tensors, state)``; ValueError naming a damaged file."""
+def load(folder: Path, optimizer: bool = True) -> tuple[dict, dict, dict]:
+    """``(model tensors, optimizer tensors, state)``; ValueError naming a damaged file. Without
+    ``optimizer`` its tensors are checked but not loaded (``{}``)."""
     try:
         state = json.loads((folder / "state.json").read_text())
     except (OSError, ValueError) as e:
@@ -99,10 +100,10 @@ def load(folder: Path) -> tuple[dict, dict, dict]:
             raise ValueError(f"checkpoint file {path} is missing, truncated or damaged")
     try:
         model = load_file(folder / "model.safetensors")
-        optimizer = load_file(folder / "optimizer.safetensors")
+        moments = load_file(folder / "optimizer.safetensors") if optimizer else {}
     except (OSError, SafetensorError) as e:
         raise ValueError(f"checkpoint {folder} cannot be read: {e}") from None
-    return model, optimizer, state
+    return model, moments, state
 
 
 def load_model_weights(path: Path) -> tuple[dict, dict]:
@@ -114,7 +115,7 @@ def load_model_weights(path: Path) -> tuple[dict, dict]:
     if (path / LATEST).exists():
         path = latest(path)
     if (path / "model.safetensors").exists() and (path / "state.json").exists():
-        tensors, _, state = load(path)
+        tensors, _, state = load(path, optimizer=False)
         return tensors, state
     try:
         state = json.loads((path / "export.json").read_text())

@@ -32,15 +32,16 @@ class Batch:
         return Batch(*(t.to(device, non_blocking=True) for t in vars(self).values()))
 
 
-def held_out(doc: int, holdout_every: int) -> bool:
-    """The held-out rule: document ids that are multiples of ``holdout_every``."""
+def held_out(doc, holdout_every: int):
+    """The held-out rule: document ids (an int or an array) that are multiples of
+    ``holdout_every``."""
     return doc % holdout_every == 0
 
 
 def training_spans(ix: Index, holdout_every: int) -> np.ndarray:
     """``[start, stop)`` token ranges of consecutive training documents, as an [n, 2] array."""
     docs = np.arange(ix.num_documents)
-    keep = docs % holdout_every != 0
+    keep = ~held_out(docs, holdout_every)
     offsets = np.asarray(ix.offsets, dtype=np.int64)
     starts, stops = offsets[:-1][keep], offsets[1:][keep]
     if len(starts) == 0:
@@ -64,12 +65,14 @@ def fragment(ix: Index, start: int, length: int) -> tuple[np.ndarray, ...]:
 
 
 def causal_infgram(
-    ix: Index, first: int, count: int, doc_start: int
+    ix: Index, first: int, count: int, doc_start: int, lengths: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(total, hits)``: the ∞-gram counts of target positions ``first .. first+count-1`` seeing
     only earlier text, each starting from the stored longest earlier match of its context (which
-    never reaches before ``doc_start``, the scored document's start)."""
-    lengths = ix.features(first - 1, first + count - 1).match_len.astype(np.int64)
+    never reaches before ``doc_start``, the scored document's start). ``lengths``: the stored
+    match lengths of positions ``first-1 .. first+count-2``, when the caller has them."""
+    if lengths is None:
+        lengths = ix.features(first - 1, first + count - 1).match_len.astype(np.int64)
     reach = max(doc_start, first - 1 - int(lengths.max(initial=0)))
     text = ix.tokens(reach, first + count).astype(np.int64)
     ends = np.arange(first, first + count) - reach  # context of target t ends at t - 1
@@ -127,6 +130,6 @@ class FragmentSampler:
             if drop:  # as if the text were new to the index: no match, no ∞-gram
                 next_token[:], match_len[:] = self.ix.no_token, 0
             elif self.infgram:
-                counts = causal_infgram(self.ix, s + 1, self.seq_len, 0)
+                counts = causal_infgram(self.ix, s + 1, self.seq_len, 0, match_len)
             parts.append((tokens, next_token, match_len, targets, *counts))
         return Batch(*(torch.from_numpy(np.stack(column)) for column in zip(*parts)))

@@ -45,8 +45,9 @@ class Scores:
 
 
 def held_out_windows(ix: Index, holdout_every: int, seq_len: int, max_tokens: int):
-    """``(start, length)`` windows over the held-out documents, in id order, until
-    ``max_tokens`` targets are covered (each window predicts tokens ``start+1 .. start+length``)."""
+    """``(doc_start, start, length)`` windows over the held-out documents, in id order, until
+    ``max_tokens`` targets are covered (each window predicts tokens ``start+1 .. start+length``
+    of the document that begins at ``doc_start``)."""
     covered = 0
     for doc in filter(lambda d: held_out(d, holdout_every), range(ix.num_documents)):
         start, stop = ix.document_range(doc)
@@ -54,7 +55,7 @@ def held_out_windows(ix: Index, holdout_every: int, seq_len: int, max_tokens: in
             length = min(seq_len, stop - 1 - a, max_tokens - covered)
             if length <= 0:
                 return
-            yield a, length
+            yield start, a, length
             covered += length
 
 
@@ -72,22 +73,22 @@ def score(
     cfg = model.cfg
     logps, totals, hits = [], [], []
     windows = list(held_out_windows(ix, holdout_every, cfg.max_seq_len, max_tokens))
-    for a, length in tqdm(windows, desc="eval", unit="window", disable=not progress):
-        tokens, next_token, match_len, targets = (
-            torch.from_numpy(x)[None].to(device) for x in fragment(ix, a, length)
+    for doc_start, a, length in tqdm(windows, desc="eval", unit="window", disable=not progress):
+        window = fragment(ix, a, length)
+        total, hit = causal_infgram(ix, a + 1, length, doc_start, window[2])
+        tokens, next_token, match_len, targets, counted, hits_t = (
+            torch.from_numpy(x)[None].to(device) for x in (*window, total, hit)
         )
-        doc = int(np.searchsorted(ix.offsets, a, side="right")) - 1
-        total, hit = causal_infgram(ix, a + 1, length, int(ix.offsets[doc]))
         with autocast(device, cfg.precision):
             logits, gate = model(tokens, next_token, match_len, with_gate=True)
         if gate is not None:
-            gate = model.gate_logit(gate, torch.from_numpy(total)[None].to(device))
+            gate = model.gate_logit(gate, counted)
         nll, _ = index_lm_loss(
             logits[0],
             None if gate is None else gate[0],
             targets[0],
-            torch.from_numpy(total).to(device),
-            torch.from_numpy(hit).to(device),
+            counted[0],
+            hits_t[0],
             reduce=False,
         )
         logps.append(-nll.cpu().numpy().astype(np.float64))

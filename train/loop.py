@@ -102,6 +102,14 @@ def check_resumable(saved: dict, config: RunConfig, identity: dict) -> None:
             raise ValueError(f"the run was trained on another index ({key} differs)")
 
 
+def _step_loss(micro_losses: list[torch.Tensor]) -> float:
+    """A step's mean loss over its micro-batches, as a float."""
+    total = 0.0
+    for loss in micro_losses:
+        total += loss.item() / len(micro_losses)
+    return total
+
+
 def _truncate_metrics(path: Path, step: int) -> None:
     """Keep the metric lines of steps up to ``step`` (a resumed run redoes the rest)."""
     if not path.exists():
@@ -158,7 +166,11 @@ def train(
         json.dumps({"config": config.to_dict(), "index": identity}, indent=1)
     )
 
+    saved_step = start if folder is not None else None
+
     def save(step: int) -> None:
+        nonlocal saved_step
+        saved_step = step
         state = {
             "config": config.to_dict(),
             "index": identity,
@@ -179,7 +191,7 @@ def train(
             lr = learning_rate(cfg, step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            total = 0.0
+            micro_losses = []  # read back only when logged: no device sync per step
             for micro in range(cfg.grad_accum):
                 batch = sampler.batch(step, micro).to(device)
                 with autocast(device, config.model.precision):
@@ -193,14 +205,14 @@ def train(
                 )
                 loss = mixed + cfg.own_loss_weight * own if gate is not None else mixed
                 (loss / cfg.grad_accum).backward()
-                total += mixed.item() / cfg.grad_accum
+                micro_losses.append(mixed.detach())
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             tokens_done += tokens_per_step
-            loss_value = total
             now = time.perf_counter()
             if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.max_steps:
+                loss_value = _step_loss(micro_losses)
                 rate = tokens_per_step * cfg.log_every / max(now - last_log, 1e-9)
                 last_log = now
                 record = {
@@ -220,10 +232,9 @@ def train(
         else:
             step = cfg.max_steps
     bar.close()
-    if (
-        checkpoint.latest(run) is None
-        or json.loads((run / checkpoint.LATEST).read_text())["step"] != step
-    ):
+    if step > start:
+        loss_value = _step_loss(micro_losses)
+    if saved_step != step:
         save(step)
     wall = wall_before + time.perf_counter() - t0
     return TrainResult(step, loss_value, tokens_done, wall, stopped, model.num_parameters())

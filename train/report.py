@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+from teralm.train import checkpoint
 from teralm.train.loop import METRICS, TrainResult
 
 
@@ -51,6 +52,6 @@ def summary(run: Path, result: TrainResult) -> str:
             f"loss       {result.final_loss:.4f} nats/token (last step)",
             f"speed      {rate:,.0f} tokens/s (last interval)",
             f"wall       {result.wall_s:.1f} s",
-            f"files      {run / 'metrics.jsonl'}, {run / 'loss.png'}, {run / 'latest.json'}",
+            f"files      {run / METRICS}, {run / 'loss.png'}, {run / checkpoint.LATEST}",
         ]
     )
