@@ -15,22 +15,13 @@ import argparse
 import gzip
 import json
 import shutil
-import subprocess
 import sys
 
-from common import CACHE, SHARED_DATA, save, table
+from common import CACHE, SHARED_DATA, save, table, teralm_cli
+from teralm.train.report import read_metrics
 
 PYDOCS = SHARED_DATA / "pydocs.jsonl.gz"
 WORK = CACHE / "quality"
-
-
-def teralm(*args) -> str:
-    out = subprocess.run(
-        [sys.executable, "-m", "teralm.cli", *map(str, args)], capture_output=True, text=True
-    )
-    if out.returncode:
-        sys.exit(f"teralm {args[0]} failed:\n{out.stderr}")
-    return out.stdout
 
 
 def main() -> None:
@@ -47,7 +38,7 @@ def main() -> None:
         with gzip.open(PYDOCS, "rb") as f, open(data, "wb") as out:
             shutil.copyfileobj(f, out)
     index = WORK / "index"
-    teralm("build-index", data, "--out", index, "--quiet")
+    teralm_cli("build-index", data, "--out", index, "--quiet")
 
     results = {}
     for name, extra in (("with index", []), ("without index", ["--no-index-input"])):
@@ -55,17 +46,15 @@ def main() -> None:
         shutil.rmtree(run, ignore_errors=True)
         steps = ["--max-steps", args.steps] if args.steps else []
         cmd = ["train", "--index", index, "--out", run, "--preset", "tiny", "--quiet"]
-        print(teralm(*cmd, "--precision", args.precision, *steps, *extra))
-        scored = teralm(
+        print(teralm_cli(*cmd, "--precision", args.precision, *steps, *extra))
+        scored = teralm_cli(
             "eval", run, "--index", index, "--max-tokens", args.max_tokens, "--json", "--quiet"
         )
         results[name] = {
             **json.loads(scored),
             "train": json.loads((run / "config.json").read_text()),
         }
-        results[name]["train_wall_s"] = json.loads(
-            (run / "metrics.jsonl").read_text().splitlines()[-1]
-        )["elapsed_s"]
+        results[name]["train_wall_s"] = read_metrics(run)[-1]["elapsed_s"]
 
     with_index, without = results["with index"], results["without index"]
     rows = [

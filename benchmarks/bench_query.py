@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import CACHE, SHARED_DATA, save, table
+from common import CACHE, SHARED_DATA, save, table, teralm_cli
 
 PYDOCS = SHARED_DATA / "pydocs.jsonl.gz"
 WORK = CACHE / "query"
@@ -83,12 +83,7 @@ def latency(fn, contexts) -> dict:
 def teralm_index(train: Path, name: str, *options: str) -> Path:
     """Build (or rebuild, so it matches this code) a teralm index of the training documents."""
     index_dir = WORK / name
-    cmd = ["build-index", str(train), "--out", str(index_dir), "--quiet", "--force", *options]
-    built = subprocess.run(
-        [sys.executable, "-m", "teralm.cli", *cmd], capture_output=True, text=True
-    )
-    if built.returncode:
-        sys.exit(built.stderr)
+    teralm_cli("build-index", train, "--out", index_dir, "--quiet", "--force", *options)
     return index_dir
 
 
@@ -246,9 +241,10 @@ def main() -> None:
                 rows.append({"tool": tool, "contexts": name, **result})
         rounds.append(rows)
     rows = median_rows(rounds)
+    mean_match = {name: float(ix.longest_match(c).length.mean()) for name, c in sets.items()}
     for row in rows:
         if row["tool"].startswith("teralm"):
-            row["mean_match"] = float(ix.longest_match(sets[row["contexts"]]).length.mean())
+            row["mean_match"] = mean_match[row["contexts"]]
 
     from teralm.index.query import OnlineMatcher
 

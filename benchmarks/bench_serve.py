@@ -27,7 +27,7 @@ from common import CACHE, save, table
 QUALITY = CACHE / "quality"
 
 
-def post(port: int, body: dict, stream: bool = False):
+def post(port: int, body: dict):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     return conn, conn.getresponse()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -39,6 +40,16 @@ def run_measured(cmd: list[str], interval: float = 0.2, **kwargs) -> dict:
         "returncode": proc.returncode,
         "output": output[-3000:],
     }
+
+
+def teralm_cli(*args) -> str:
+    """Run ``teralm ARGS...`` in this Python; its stdout, or exit with its stderr on failure."""
+    out = subprocess.run(
+        [sys.executable, "-m", "teralm.cli", *map(str, args)], capture_output=True, text=True
+    )
+    if out.returncode:
+        sys.exit(f"teralm {args[0]} failed:\n{out.stderr}")
+    return out.stdout
 
 
 def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:

@@ -74,7 +74,6 @@ class EngineStats:
     prompt_tokens: int = 0
     model_s: float = 0.0
     lookup_s: float = 0.0
-    steps: int = 0
 
 
 class Engine:
@@ -274,7 +273,6 @@ class Engine:
                 torch.tensor(lengths, device=self.device),
             )
         self.stats.model_s += time.perf_counter() - began
-        self.stats.steps += 1
         logp = self._logp(
             [s.tokens for s in ready], logits[:, -1], None if gate is None else gate[:, -1]
         )
