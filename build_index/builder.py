@@ -10,6 +10,8 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -115,29 +117,45 @@ def _worker_init() -> None:
 
 def _run_units(fn: Callable, args: Iterable[tuple], workers: int, on_done: Callable) -> None:
     """Run ``fn(*a)`` for each ``a`` in-process or on a pool, calling ``on_done(result)`` in order of
-    completion (in the parent, which alone writes the catalog)."""
+    completion (in the parent, which alone writes the catalog).
+
+    A worker's exception is raised here as itself. On any error the workers are killed at once:
+    their unfinished units are not recorded, so the next run does them again.
+    """
     args = list(args)
     if workers <= 1 or len(args) <= 1:
         for a in args:
             on_done(fn(*a))
         return
-    with mp.get_context("spawn").Pool(min(workers, len(args)), initializer=_worker_init) as pool:
-        for result in pool.imap_unordered(_star, [(fn, a) for a in args]):
-            on_done(result)
+    pool = ProcessPoolExecutor(
+        min(workers, len(args)), mp_context=mp.get_context("spawn"), initializer=_worker_init
+    )
+    try:
+        for future in as_completed([pool.submit(fn, *a) for a in args]):
+            on_done(future.result())
+    except BrokenProcessPool:
+        raise BuildError(
+            "a worker process died (killed, or out of memory?); run the same command again "
+            "to resume, with fewer --workers if memory is short"
+        ) from None
+    except BaseException:
+        _kill_workers(pool)
+        raise
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
-def _star(job):
-    fn, a = job
-    return fn(*a)
+def _kill_workers(pool: ProcessPoolExecutor) -> None:
+    """Stop the workers now rather than after their current unit (the pool then reports itself
+    broken and shuts down without waiting on them)."""
+    for process in list(pool._processes.values()):  # Python 3.14 has pool.kill_workers()
+        process.kill()
 
 
 def build(config: BuildConfig) -> BuildResult:
     """Build (or resume, or confirm) the index described by ``config``."""
     kind, vocab = parse_tokenizer_spec(config.tokenizer)
-    if not 1 <= config.max_match <= fmt.MAX_MATCH_LIMIT:
-        raise BuildError(f"--max-match must be 1..{fmt.MAX_MATCH_LIMIT}")
-    if config.shard_tokens < 1 or config.shard_tokens > 2**32 - 1:
-        raise BuildError("--shard-tokens must be 1..4294967295 (positions are uint32 in a shard)")
+    _check_flags(config)
     source = resolve_source(config.source, config.text_field)
     _prepare_out(config)
     out = config.out
@@ -150,6 +168,18 @@ def build(config: BuildConfig) -> BuildResult:
         return _build_passes(config, source, kind, vocab, catalog, params)
     finally:
         catalog.close()
+
+
+def _check_flags(config: BuildConfig) -> None:
+    """Refuse out-of-range settings before any work is done."""
+    if not 1 <= config.max_match <= fmt.MAX_MATCH_LIMIT:
+        raise BuildError(f"--max-match must be 1..{fmt.MAX_MATCH_LIMIT}")
+    if config.shard_tokens < 1 or config.shard_tokens > 2**32 - 1:
+        raise BuildError("--shard-tokens must be 1..4294967295 (positions are uint32 in a shard)")
+    if config.workers < 1:
+        raise BuildError(f"--workers must be 1 or more, not {config.workers}")
+    if config.verify_samples < 0:
+        raise BuildError(f"--verify-samples must be 0 or more, not {config.verify_samples}")
 
 
 def _build_passes(config, source, kind, vocab, catalog, params) -> BuildResult:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 from teralm.build_index.layout import Layout
@@ -164,14 +165,12 @@ def features_job(layout: Layout, firsts: FirstOccurrences, ranges: list[tuple[in
             continue
         r = slice(run_starts[k], run_starts[k + 1])
         n = layout.sizes[k]
-        fd = os.open(sorted_features_path(layout, k), os.O_WRONLY)
-        try:
-            os.pwrite(fd, len_byte[r].data, lo)
-            os.pwrite(fd, next_row[r].astype(layout.token_dtype).data, n + lo * width)
-            os.pwrite(fd, follow[r].data, n * (1 + width) + lo * follow_width)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        pieces = [
+            (lo, len_byte[r]),
+            (n + lo * width, next_row[r].astype(layout.token_dtype)),
+            (n * (1 + width) + lo * follow_width, follow[r]),
+        ]
+        fmt.write_at(sorted_features_path(layout, k), pieces)
     return rows
 
 
@@ -215,7 +214,11 @@ def sorted_features_path(layout: Layout, k: int):
 
 
 def create_sorted_feature_files(layout: Layout) -> None:
-    """Allocate (sparse) work files for the shards whose ``.match`` is not written yet."""
+    """Create the work files of the shards whose ``.match`` is not written yet.
+
+    They are sparse: no space is taken until the jobs write into them (``fmt.write_at``, which
+    raises ENOSPC on a full disk).
+    """
     width = 1 + np.dtype(layout.token_dtype).itemsize + _follow_dtype(layout).itemsize
     for k, n in enumerate(layout.sizes):
         path = sorted_features_path(layout, k)
@@ -225,6 +228,7 @@ def create_sorted_feature_files(layout: Layout) -> None:
         with open(tmp, "wb") as f:
             f.truncate(n * width)
         os.replace(tmp, path)
+    fmt.fsync_dir(Path(layout.directory))  # the jobs recorded in the catalog live in these files
 
 
 def write_match_file(layout: Layout, k: int) -> tuple[int, int]:

@@ -154,7 +154,14 @@ class Source:
                         record = json.loads(line)
                     except json.JSONDecodeError as e:
                         raise SourceError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-                    yield self._record(record, f"{path.name}:{lineno}"), raw.tell()
+                    except UnicodeDecodeError as e:
+                        raise SourceError(
+                            f"{path}:{lineno}: not UTF-8 (byte {e.start} of the line); "
+                            "JSON lines must be UTF-8 text"
+                        ) from None
+                    label, text = self._record(record, f"{path.name}:{lineno}")
+                    _check_no_surrogates(text, f"{path}:{lineno}", self.text_field)
+                    yield (label, text), raw.tell()
         except (EOFError, gzip.BadGzipFile, zlib.error) as e:
             raise SourceError(f"{path}: damaged or truncated gzip file ({e})") from None
         except OSError as e:
@@ -214,6 +221,19 @@ class Source:
             dataset = dataset["train"] if "train" in dataset else next(iter(dataset.values()))
         for row, record in enumerate(dataset, 1):
             yield self._record(record, f"{self.path.name}:{row}"), 0
+
+
+def _check_no_surrogates(text: str, where: str, field: str) -> None:
+    """JSON can spell a lone surrogate (``"\\ud800"``), which is not Unicode text: refuse it."""
+    if text.isascii():  # constant time for a str
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise SourceError(
+            f"{where}: field '{field}' holds a lone surrogate {text[e.start]!r} at character "
+            f"{e.start}, which is not valid Unicode; fix or remove that record"
+        ) from None
 
 
 def _guarded(name: str, records):

@@ -5,9 +5,11 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import lmdb
 import numpy as np
 from teralm.build_index.layout import Layout
 from teralm.index import format as fmt
+from teralm.index.catalog import Catalog
 from teralm.index.reader import decode_features, open_match
 from teralm.kernels import match as km
 from tqdm import tqdm
@@ -45,17 +47,23 @@ def shard_checksums(layout: Layout, progress: bool) -> list[dict]:
         ]
 
 
-def check_checksums(layout: Layout, shards: list[dict], progress: bool) -> list[str]:
-    """Problems found comparing the shard files with the manifest's sizes and checksums."""
-    problems = []
-    for k, actual in enumerate(shard_checksums(layout, progress)):
-        for kind, record in actual.items():
+def check_checksums(layout: Layout, manifest: dict, progress: bool) -> list[str]:
+    """Compare the checksum of every file the manifest records one for (all present)."""
+    directory = Path(layout.directory)
+    recorded = {fmt.BUCKETS: manifest["buckets_sha256"]}
+    if manifest["tokenizer"] == "bpe":
+        recorded[fmt.TOKENIZER] = manifest.get("tokenizer_sha256")
+    actual = {name: sha256_file(directory / name) for name in recorded}
+    for k, files in enumerate(shard_checksums(layout, progress)):
+        for kind, record in files.items():
             name = layout.path(k, kind).name
-            if record is None:
-                problems.append(f"{name}: missing")
-            elif record != shards[k]["files"][kind]:
-                problems.append(f"{name}: size or checksum differs from the manifest")
-    return problems
+            recorded[name] = manifest["shards"][k]["files"][kind]["sha256"]
+            actual[name] = record["sha256"]
+    return [
+        f"{name}: checksum differs from the manifest"
+        for name in recorded
+        if actual[name] != recorded[name]
+    ]
 
 
 def _context(stream, layout: Layout, offsets: np.ndarray, p: int) -> list[int]:
@@ -110,7 +118,10 @@ def check_features(layout: Layout, samples: int, rng: np.random.Generator) -> li
     stream = layout.stream()
     x = stream[0 : min(n, int(positions.max()) + 2)]
     bits = km.doc_start_bits(layout.offsets(), n)
-    valid = np.zeros(max(layout.vocab_size, 256), dtype=np.bool_)
+    # room for every value the token dtype holds: a damaged token must not index past the end
+    valid = np.zeros(
+        max(layout.vocab_size + 1, 1 << 8 * np.dtype(layout.token_dtype).itemsize), np.bool_
+    )
     problems = []
     for t in positions:
         k, q = divmod(int(t), layout.shard_tokens)
@@ -138,3 +149,56 @@ def verify(layout: Layout, samples: int, seed: int = 0) -> list[str]:
         + check_follow(layout, samples, rng)
         + check_features(layout, samples, rng)
     )
+
+
+def check_contents(layout: Layout) -> list[str]:
+    """Document offsets in order, bucket table rows in order, and every ``.prefix`` entry
+    inside its shard: what the query kernels rely on."""
+    directory, offsets = Path(layout.directory), layout.offsets()
+    buckets = np.fromfile(directory / fmt.BUCKETS, dtype=fmt.BUCKET_DTYPE)
+    problems = [
+        fmt.offsets_problem(offsets, layout.num_tokens),
+        fmt.bucket_problem(buckets.reshape(layout.num_shards, -1), list(layout.sizes)),
+    ]
+    for k, size in enumerate(layout.sizes):
+        prefix = np.memmap(layout.path(k, "prefix"), dtype=fmt.PREFIX_DTYPE, mode="r")
+        if prefix.max() >= size:
+            problems.append(f"{layout.path(k, 'prefix').name}: an entry lies outside the shard")
+    return [p for p in problems if p]
+
+
+def check_catalog(directory: Path, num_documents: int) -> list[str]:
+    """The catalog opens and holds a record of the last document."""
+    last = num_documents - 1
+    try:
+        catalog = Catalog(Path(directory) / fmt.CATALOG, readonly=True)
+        try:
+            found = catalog.document(last) is not None
+        finally:
+            catalog.close()
+    except lmdb.Error as e:
+        return [f"{fmt.CATALOG}: {e}"]
+    return [] if found else [f"{fmt.CATALOG}: no record of document {last}"]
+
+
+def verify_index(
+    directory: Path,
+    manifest: dict,
+    samples: int,
+    seed: int = 0,
+    checksums: bool = True,
+    progress: bool = False,
+) -> list[str]:
+    """Every check of a complete index (``teralm verify-index``): the files readers open (present,
+    of the right size), their contents, checksums, then ``verify`` on ``samples`` positions."""
+    problems = fmt.file_problems(directory, manifest)
+    if problems:  # the checks below read these files whole
+        return problems
+    layout = Layout.from_manifest(directory, manifest)
+    contents = check_contents(layout)
+    problems = contents + check_catalog(directory, manifest["num_documents"])
+    if checksums:
+        problems += check_checksums(layout, manifest, progress)
+    if not contents:  # the sampled checks follow .prefix entries and document starts
+        problems += verify(layout, samples, seed)
+    return problems

@@ -33,6 +33,17 @@ class Catalog:
             subdir=True,
             max_dbs=0,
         )
+        if readonly:
+            self._check_length()
+
+    def _check_length(self) -> None:
+        """Refuse a data file shorter than the pages its header counts: reading past its end
+        would kill the process (SIGBUS)."""
+        needed = (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
+        size = (self.path / "data.mdb").stat().st_size
+        if size < needed:
+            self.env.close()
+            raise lmdb.CorruptedError(f"data.mdb is {size} bytes, its header counts {needed}")
 
     def close(self) -> None:
         self.env.close()

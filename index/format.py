@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -81,21 +82,51 @@ def sort_dtype(token_dtype, separator: int) -> np.dtype:
 def write_atomic(path: Path, data) -> None:
     """Write ``data`` (bytes or a numpy array) so readers see the old file or the whole new one.
 
-    Temp name, fsync, rename; the temp file is removed if writing fails (e.g. a full disk).
+    Temp name, fsync, rename; the temp file is removed if writing fails (e.g. a full disk), and
+    the error names ``path``.
     """
-    if isinstance(data, np.ndarray):
-        data = np.ascontiguousarray(data).view(np.uint8).data
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        write_at(tmp, [(0, data)], create=True)
         os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        e.filename = str(path)
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def write_at(path: Path, pieces: Iterable[tuple[int, object]], create: bool = False) -> None:
+    """Write each ``(offset, data)`` piece (bytes or a numpy array) into ``path``, then fsync.
+
+    Every byte is on disk when this returns, or it raises OSError naming ``path``: a short write
+    (a disk that fills up part way through a piece) is continued, and that raises ENOSPC.
+    ``create`` makes a new, empty file first.
+    """
+    flags = os.O_WRONLY | (os.O_CREAT | os.O_TRUNC if create else 0)
+    try:
+        fd = os.open(path, flags, 0o666)  # less the umask, as open() does
+        try:
+            for offset, data in pieces:
+                view = memoryview(_as_bytes(data))
+                while view:
+                    written = os.pwrite(fd, view, offset)
+                    view, offset = view[written:], offset + written
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        e.filename = str(path)
+        raise
+
+
+def _as_bytes(data):
+    if isinstance(data, np.ndarray):
+        return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    return data
 
 
 def fsync_dir(directory: Path) -> None:
@@ -117,13 +148,148 @@ def read_manifest(directory: Path) -> dict:
         )
     try:
         manifest = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON
         raise ValueError(f"cannot read {path}: {e}") from None
-    if manifest.get("format") != FORMAT_NAME:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise ValueError(f"{path} is not a teralm index manifest")
     if manifest.get("version") != FORMAT_VERSION:
         raise ValueError(
             f"{directory} has index format version {manifest.get('version')}, "
             f"this teralm reads version {FORMAT_VERSION}; rebuild it with build-index --force"
         )
+    problem = manifest_problem(manifest)
+    if problem:
+        raise damaged(directory, f"{MANIFEST}: {problem}")
     return manifest
+
+
+class IndexDamaged(ValueError):
+    """An index file is missing, has the wrong size, or holds a value its format rules out."""
+
+
+def damaged(directory: Path, problem: str) -> IndexDamaged:
+    """The error for a damaged index: what is wrong, and what to do about it."""
+    return IndexDamaged(
+        f"index {directory} is damaged: {problem}; run `teralm verify-index {directory}` "
+        "for a full check, and rebuild the index with build-index --force"
+    )
+
+
+MANIFEST_FIELDS = {
+    "tokenizer": str,
+    "vocab_size": int,
+    "token_dtype": str,
+    "max_match": int,
+    "separator": int,
+    "context_overlap": int,
+    "num_tokens": int,
+    "num_documents": int,
+    "shard_tokens": int,
+    "shards": list,
+    "buckets_sha256": str,
+}
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _shard_entry_ok(shard) -> bool:
+    """A shard's manifest entry has its num_tokens and each file's bytes and sha256."""
+    if not isinstance(shard, dict) or not _is_count(shard.get("num_tokens")):
+        return False
+    files = shard.get("files")
+    return isinstance(files, dict) and all(
+        isinstance(files.get(kind), dict)
+        and _is_count(files[kind].get("bytes"))
+        and isinstance(files[kind].get("sha256"), str)
+        for kind in FILE_KINDS
+    )
+
+
+def manifest_problem(m: dict) -> str | None:
+    """What makes a manifest unusable (a missing or ill-typed field, sizes that disagree), or None."""
+    for key, kind in MANIFEST_FIELDS.items():
+        value = m.get(key)
+        if not (_is_count(value) if kind is int else isinstance(value, kind)):
+            return f"{key!r} is missing or not a {'count' if kind is int else kind.__name__}"
+    if m["tokenizer"] not in ("bytes", "bpe"):
+        return f"unknown tokenizer {m['tokenizer']!r}"
+    if not 0 < m["vocab_size"] <= 65535 or m["token_dtype"] != token_dtype(m["vocab_size"]).str:
+        return f"token_dtype {m['token_dtype']!r} does not fit vocab_size {m['vocab_size']}"
+    if not 0 < m["max_match"] <= MAX_MATCH_LIMIT or m["separator"] > 65535:
+        return "max_match or separator is out of range"
+    for k, shard in enumerate(m["shards"]):
+        if not _shard_entry_ok(shard):
+            return f"the entry of shard {k} lacks num_tokens or a file's bytes and sha256"
+    sizes, full = [s["num_tokens"] for s in m["shards"]], m["shard_tokens"]
+    if not sizes or sizes[:-1] != [full] * (len(sizes) - 1) or not 0 < sizes[-1] <= full:
+        return f"shard num_tokens are not {full} each (the last at most that)"
+    if sum(sizes) != m["num_tokens"]:
+        return f"shard num_tokens add up to {sum(sizes)}, not num_tokens {m['num_tokens']}"
+    for k, shard in enumerate(m["shards"]):
+        for kind, size in shard_file_bytes(m, shard["num_tokens"]).items():
+            if shard["files"][kind]["bytes"] != size:
+                name = shard_file(Path(), k, kind).name
+                return f"{name} is recorded as {shard['files'][kind]['bytes']} bytes, not {size}"
+    return None
+
+
+def shard_file_bytes(manifest: dict, num_tokens: int) -> dict[str, int]:
+    """Size in bytes of each file of a shard of ``num_tokens`` tokens."""
+    token_size = np.dtype(manifest["token_dtype"]).itemsize
+    follow_size = sort_dtype(manifest["token_dtype"], manifest["separator"]).itemsize
+    return {
+        "tokens": num_tokens * token_size,
+        "prefix": num_tokens * PREFIX_DTYPE.itemsize,
+        "match": num_tokens * (MATCH_LEN_DTYPE.itemsize + token_size),
+        "follow": num_tokens * follow_size,
+        "keys": -(-num_tokens // KEY_SAMPLE) * KEY_DTYPE.itemsize,
+    }
+
+
+def reader_files(directory: Path, manifest: dict) -> dict[Path, int | None]:
+    """Every file that readers of the index open, with its size in bytes (None: any size)."""
+    directory = Path(directory)
+    files: dict[Path, int | None] = {
+        directory / DOCUMENT_OFFSETS: (manifest["num_documents"] + 1) * OFFSET_DTYPE.itemsize,
+        directory / BUCKETS: len(manifest["shards"]) * (NUM_BUCKETS + 1) * BUCKET_DTYPE.itemsize,
+        directory / CATALOG / "data.mdb": None,
+    }
+    if manifest["tokenizer"] == "bpe":
+        files[directory / TOKENIZER] = None
+    for k, shard in enumerate(manifest["shards"]):
+        for kind, size in shard_file_bytes(manifest, shard["num_tokens"]).items():
+            files[shard_file(directory, k, kind)] = size
+    return files
+
+
+def file_problems(directory: Path, manifest: dict) -> list[str]:
+    """One line for each file that readers open and that is missing or has the wrong size."""
+    problems = []
+    for path, size in reader_files(directory, manifest).items():
+        name = path.relative_to(directory)
+        if not path.is_file():
+            problems.append(f"{name}: missing")
+        elif size is not None and path.stat().st_size != size:
+            actual = path.stat().st_size
+            problems.append(f"{name}: {actual} bytes, where the manifest implies {size}")
+    return problems
+
+
+def offsets_problem(offsets: np.ndarray, num_tokens: int) -> str | None:
+    """What is wrong with the document offsets (they rise from 0 to ``num_tokens``), or None."""
+    if offsets[0] != 0 or offsets[-1] != num_tokens or (offsets[1:] < offsets[:-1]).any():
+        return f"{DOCUMENT_OFFSETS}: the document starts are out of order or beyond the corpus"
+    return None
+
+
+def bucket_problem(buckets: np.ndarray, sizes: list[int]) -> str | None:
+    """What is wrong with the bucket table (shard ``k``'s row rises from 0 to ``sizes[k]``), or None."""
+    if (
+        (buckets[:, 0] != 0).any()
+        or (buckets[:, -1] != np.asarray(sizes)).any()
+        or (buckets[:, 1:] < buckets[:, :-1]).any()
+    ):
+        return f"{BUCKETS}: a shard's bucket starts are out of order or beyond the shard"
+    return None

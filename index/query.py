@@ -87,11 +87,25 @@ class QueryEngine:
         self._thread_local = threading.local()
         buckets = np.memmap(index.directory / fmt.BUCKETS, dtype=fmt.BUCKET_DTYPE, mode="r")
         self.buckets = np.asarray(buckets).reshape(len(shards), fmt.NUM_BUCKETS + 1)
+        self._check(fmt.bucket_problem(self.buckets, stream.sizes))
         self.elem_bits = 8 * follow_dtype.itemsize
 
     @cached_property
     def doc_bits(self) -> np.ndarray:
+        self._check(fmt.offsets_problem(self.index.offsets, self.index.num_tokens))
         return doc_start_bits(self.index.offsets, self.index.num_tokens)
+
+    def _check(self, problem: str | None) -> None:
+        if problem:
+            raise fmt.damaged(self.index.directory, problem)
+
+    def _run(self, kernel, *args):
+        """Call a query kernel; a damaged file that it meets becomes an error naming the index."""
+        try:
+            return kernel(*args)
+        except fmt.IndexDamaged as e:  # raised by the kernel, which knows no paths
+            vars(self._thread_local).pop("scratch", None)  # it stopped halfway through a tally
+            raise fmt.damaged(self.index.directory, str(e)) from None
 
     @cached_property
     def pairs(self) -> np.ndarray:
@@ -126,7 +140,8 @@ class QueryEngine:
             starts = np.arange(len(contexts) + 1, dtype=np.int64) * contexts.shape[1]
         else:
             flat, starts = _flatten(contexts)
-        summary, ranges, offsets, rows, bad = kq.lookup(
+        summary, ranges, offsets, rows, bad = self._run(
+            kq.lookup,
             self._kernel_shards,
             self.buckets,
             self.elem_bits,
@@ -153,7 +168,8 @@ class QueryEngine:
         only earlier text (``contexts[c]`` ends just before it; ``targets[c]`` is the token
         there); see ``teralm.kernels.query.causal_counts``."""
         flat, starts = _flatten(contexts)
-        return kq.causal_counts(
+        return self._run(
+            kq.causal_counts,
             self._kernel_shards,
             self.buckets,
             self.elem_bits,
@@ -227,8 +243,10 @@ class QueryEngine:
         match = self.longest_match([context])
         length = int(match.length[0])
         hits, seen = [], set()
-        for (_, _, prefix, _, _, start, _), (lo, hi) in zip(self.shards, match.ranges[0]):
+        for (tokens, _, prefix, _, _, start, _), (lo, hi) in zip(self.shards, match.ranges[0]):
             for i in range(lo, min(hi, lo + 64 * k)):
+                if prefix[i] >= len(tokens):
+                    self._check(kq.PREFIX_OUT_OF_RANGE)
                 end = start + int(prefix[i])
                 doc = int(np.searchsorted(ix.offsets, end, side="right")) - 1
                 if doc in seen or len(hits) >= k:

@@ -6,6 +6,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
+import lmdb
 import numpy as np
 from teralm.index import format as fmt
 from teralm.index.catalog import Catalog
@@ -91,13 +92,19 @@ class Index:
 
     @classmethod
     def open(cls, directory: str | Path) -> Index:
-        """Open a complete index; ValueError with a user message if it is not one."""
+        """Open a complete index; ValueError with a user message if it is not one (IndexDamaged
+        when a file that readers open is missing or has the wrong size)."""
         directory = Path(directory)
         if not directory.is_dir():
             raise ValueError(f"{directory}: no such index directory")
-        return cls(directory, fmt.read_manifest(directory))
+        manifest = fmt.read_manifest(directory)
+        problems = fmt.file_problems(directory, manifest)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise fmt.damaged(directory, problems[0] + more)
+        return cls(directory, manifest)
 
-    def encode(self, text: str) -> np.ndarray:
+    def encode(self, text: str | bytes) -> np.ndarray:
         return self.tokenizer.encode(text)
 
     def decode(self, tokens) -> str:
@@ -111,9 +118,12 @@ class Index:
 
     def document_source(self, i: int) -> str:
         """Source label of document ``i`` (path, title or record id) from the catalog."""
-        if self._catalog is None:
-            self._catalog = Catalog(self.directory / fmt.CATALOG, readonly=True)
-        record = self._catalog.document(i)
+        try:
+            if self._catalog is None:
+                self._catalog = Catalog(self.directory / fmt.CATALOG, readonly=True)
+            record = self._catalog.document(i)
+        except lmdb.Error as e:
+            raise fmt.damaged(self.directory, f"{fmt.CATALOG}: {e}") from None
         return record["source"] if record else ""
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
@@ -121,13 +131,20 @@ class Index:
         return self.stream[start:stop]
 
     def features(self, start: int, stop: int) -> Features:
-        """Match features of positions ``[start, stop)``."""
+        """Match features of positions ``[start, stop)``; IndexDamaged for a value that the
+        format rules out (a length over ``max_match``, a token outside the vocabulary)."""
         lens, nexts = [np.empty(0, np.uint8)], [np.empty(0, self.stream.dtype)]
         for k, a, b in self.stream.spans(start, stop):
             length, nxt = self._match_arrays(k)
             lens.append(length[a:b])
             nexts.append(nxt[a:b])
-        return decode_features(np.concatenate(lens), np.concatenate(nexts), self.no_token)
+        features = decode_features(np.concatenate(lens), np.concatenate(nexts), self.no_token)
+        bad = (features.match_len > self.max_match) | (features.next_token > self.no_token)
+        if bad.any():
+            p = slice(start, stop).indices(self.num_tokens)[0] + int(bad.argmax())
+            name = fmt.shard_file(self.directory, p // self.stream.shard_tokens, "match").name
+            raise fmt.damaged(self.directory, f"{name} holds a value out of range for position {p}")
+        return features
 
     @cached_property
     def query(self) -> QueryEngine:

@@ -14,7 +14,12 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, njit, types
 from numba.extending import intrinsic
+from teralm.index.format import IndexDamaged
 from teralm.kernels.match import _doc_depth
+
+# what the kernels raise IndexDamaged with, for a value they cannot use (checked where read)
+PREFIX_OUT_OF_RANGE = "a .prefix entry lies outside its shard"
+FOLLOW_OUT_OF_RANGE = "a .follow entry lies outside the vocabulary"
 
 
 @njit(cache=True, inline="always")
@@ -25,6 +30,8 @@ def _common(shard, doc_bits, separator, i, ctx, end, limit):
     prefix, follow, keys, start, lowest)."""
     tokens, tail, prefix, _, _, start, lowest = shard
     q = np.int64(prefix[i])
+    if q >= len(tokens):
+        raise IndexDamaged(PREFIX_OUT_OF_RANGE)
     p = start + q
     real = min(_doc_depth(doc_bits, p, max(limit, 1)), p - lowest + 1)
     for j in range(limit):
@@ -250,7 +257,8 @@ def lookup(
     shard; then the distributions as ``offsets`` and rows ``(token, count)``, most frequent
     first, ``top_k`` each (all if ``top_k <= 0``); and the index of the first token outside
     the vocabulary (-1 if none; then nothing else is computed). ``tally`` (zeros) and ``seen``
-    are scratch arrays of ``vocab`` entries; ``tally`` is all zeros again on return.
+    are scratch arrays of ``vocab`` entries; ``tally`` is all zeros again on return. A
+    ``.prefix`` or ``.follow`` value out of range raises IndexDamaged (``tally`` is then dirty).
     """
     num_shards = len(shards[0])
     contexts = len(ctx_starts) - 1
@@ -301,6 +309,8 @@ def lookup(
                 follow = shard[3]
                 for i in range(lo, hi if witness < 0 else lo):
                     if follow[i] != separator:
+                        if shard[2][i] >= len(shard[0]):
+                            raise IndexDamaged(PREFIX_OUT_OF_RANGE)
                         witness = shard[5] + np.int64(shard[2][i])
                         break
             if witness >= 0 or not need_follower or best == 0:
@@ -329,6 +339,8 @@ def lookup(
                 for i in range(lo + (-passed) % stride, hi, stride):
                     f = follow[i]
                     if f != separator:
+                        if f >= vocab:
+                            raise IndexDamaged(FOLLOW_OUT_OF_RANGE)
                         if tally[f] == 0:
                             seen[distinct] = f
                             distinct += 1

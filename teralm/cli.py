@@ -8,8 +8,14 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from teralm import cli_train
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from teralm.index import Index
 
 
 def _add_build_args(p: argparse.ArgumentParser) -> None:
@@ -93,31 +99,27 @@ def _run_build(args: argparse.Namespace, prog: str) -> int:
 
 
 def _run_verify(args: argparse.Namespace) -> int:
-    from teralm.build_index.layout import Layout
-    from teralm.build_index.verify import check_checksums, sha256_file, verify
+    from teralm.build_index.verify import verify_index
     from teralm.index import format as fmt
 
+    if args.samples < 0:
+        return _fail("teralm verify-index", f"--samples must be 0 or more, not {args.samples}")
     try:
         m = fmt.read_manifest(args.index)
     except ValueError as e:
         return _fail("teralm verify-index", str(e))
-    layout = Layout.from_manifest(args.index, m)
-    problems = [] if args.no_checksums else check_checksums(layout, m["shards"], not args.quiet)
-    buckets = args.index / fmt.BUCKETS
-    if not args.no_checksums and (
-        not buckets.exists() or sha256_file(buckets) != m.get("buckets_sha256")
-    ):
-        problems.append(f"{fmt.BUCKETS}: missing or checksum differs from the manifest")
     try:
-        problems += verify(layout, args.samples, args.seed)
-    except (OSError, ValueError) as e:  # a missing or truncated file
-        problems.append(f"cannot read the index files: {e}")
+        problems = verify_index(
+            args.index, m, args.samples, args.seed, not args.no_checksums, not args.quiet
+        )
+    except OSError as e:  # e.g. a file without read permission
+        problems = [f"cannot read the index files: {e}"]
     for p in problems:
         print(f"FAIL {p}")
-    checked = "sizes and checksums, " if not args.no_checksums else ""
+    checked = "sizes and checksums, " if not args.no_checksums else "sizes, "
     print(
         f"{args.index}: {checked}{args.samples} sorted pairs per shard and {args.samples} "
-        f"positions against brute force: {'OK' if not problems else f'{len(problems)} problems'}"
+        f"positions against brute force: {'OK' if not problems else f'{len(problems)} problem(s)'}"
     )
     return 0 if not problems else 1
 
@@ -127,22 +129,29 @@ def _run_query(args: argparse.Namespace) -> int:
 
     try:
         ix = Index.open(args.index)
-    except ValueError as e:
+        # the argument's bytes as given (Python hands bytes that are not UTF-8 over as surrogates)
+        _print_query(ix, ix.encode(os.fsencode(args.text)), args.top, args.sources)
+    except UnicodeDecodeError:
+        return _fail("teralm query", "the text is not valid UTF-8, which a BPE index needs")
+    except ValueError as e:  # a damaged index among them
         return _fail("teralm query", str(e))
-    context = ix.encode(args.text)
+    return 0
+
+
+def _print_query(ix: Index, context: np.ndarray, top: int, sources: int) -> None:
+    """The longest match of ``context``, its next tokens and the documents that hold it."""
     match = ix.longest_match([context])
     length, count = int(match.length[0]), int(match.count[0])
     matched = ix.decode(context[len(context) - length :]) if length else ""
     print(f"longest match: {length} of {len(context)} tokens, {count:,} occurrences: {matched!r}")
-    tokens, counts = ix.next_token_distribution([context], top_k=args.top)[0]
+    tokens, counts = ix.next_token_distribution([context], top_k=top)[0]
     if len(tokens):
         print("next token      probability   count")
     for token, n in zip(tokens, counts):
         print(f"  {ix.decode([int(token)])!r:<14} {n / count:10.3f} {n:8,}")
-    for hit in ix.documents(context, k=args.sources):
+    for hit in ix.documents(context, k=sources):
         snippet = " ".join(hit["snippet"].split())
         print(f"[doc {hit['document']}] {hit['source']} @ {hit['offset']}: {snippet[:100]!r}")
-    return 0
 
 
 def build_index_main(argv: list[str] | None = None) -> int:

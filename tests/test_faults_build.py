@@ -1,0 +1,204 @@
+"""build-index under faults: a disk that fills in each pass, dying workers, bad flags and bad text."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+from conftest import write_jsonl
+from teralm.build_index import BuildConfig, build
+from teralm.build_index.sources import SourceError
+from teralm.index import format as fmt
+from teralm.index.catalog import Catalog
+from test_cli import assert_clean_failure, content_files, run_cli
+
+SHARD_TOKENS = 100_000
+PAGE = 4096
+PASSES = ("tokenize", "sort", "features", "match files", "finalize")
+
+
+class Tmpfs:
+    """A size-limited tmpfs at ``path`` (needs root); ``resize`` frees or takes away space."""
+
+    def __init__(self, path: Path, size: int):
+        path.mkdir()
+        mounted = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "none", str(path)], capture_output=True
+        )
+        if mounted.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs (needs root): {mounted.stderr.decode()}")
+        self.path = path
+
+    def resize(self, size: int) -> None:
+        subprocess.run(["mount", "-o", f"remount,size={size}", str(self.path)], check=True)
+
+    def unmount(self) -> None:
+        """Lazily: a failed in-process build's traceback may still map files of the disk."""
+        subprocess.run(["umount", "--lazy", str(self.path)], check=True)
+
+
+def _word_documents() -> list[str]:
+    """About 200k bytes of text with long repeats: two shards of SHARD_TOKENS."""
+    rng = np.random.default_rng(7)
+    words = ["alpha", "beta", "gamma", "delta", "\n"]
+    return [" ".join(rng.choice(words, size=n)) for n in rng.integers(50, 700, size=100)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, Path]:
+    """The corpus and its index built on an ordinary disk."""
+    folder = tmp_path_factory.mktemp("reference")
+    source = write_jsonl(folder / "corpus.jsonl", _word_documents())
+    build(_config(source, folder / "index"))
+    return source, folder / "index"
+
+
+def _config(source: Path, out: Path) -> BuildConfig:
+    """In-process (a pool only starts slower; the command-line test below runs one)."""
+    return BuildConfig(
+        str(source), out, shard_tokens=SHARD_TOKENS, verify_samples=0, progress=False
+    )
+
+
+def _pages(path: Path) -> int:
+    return -(-path.stat().st_size // PAGE) * PAGE
+
+
+def _fill_size(index: Path, fill_pass: str) -> int:
+    """A tmpfs size that runs out halfway through what ``fill_pass`` writes (from the
+    reference index's file sizes; the catalog counted at its final size)."""
+
+    def total(*kinds: str) -> int:
+        return sum(_pages(p) for p in index.iterdir() if p.suffix.lstrip(".") in kinds)
+
+    catalog = sum(_pages(p) for p in (index / fmt.CATALOG).iterdir())
+    tokens, prefix = total("tokens", "offsets"), total("prefix")
+    work = 3 * total("tokens")  # pass 3's work files: length, next token, follower
+    written = {
+        "tokenize": tokens // 2,
+        "sort": tokens + prefix // 2,
+        "features": tokens + prefix + total("u32") + work // 2,
+        "match files": tokens + prefix + total("u32") + work + total("match") // 4,
+    }
+    return catalog + written[fill_pass]
+
+
+def _unfinished_pass(out: Path) -> str:
+    """The pass a stopped build was in, from its catalog's progress records."""
+    catalog = Catalog(out / fmt.CATALOG, readonly=True)
+    try:
+        p1 = catalog.get("p1/done")
+        if p1 is None:
+            return "tokenize"
+        if len(list(catalog.prefixed("p2/shard/"))) < len(p1["sizes"]):
+            return "sort"
+        jobs = catalog.get("p3/jobs")
+        if jobs is None or len(list(catalog.prefixed("p3/job/"))) < len(jobs):
+            return "features"
+        return "match files" if catalog.get("p3/done") is None else "finalize"
+    finally:
+        catalog.close()
+
+
+def _fill(disk: Path) -> None:
+    """Take every free byte of ``disk``."""
+    with open(disk / "filler", "wb", buffering=0) as f:
+        while True:
+            try:
+                f.write(bytes(1 << 16))
+            except OSError:
+                return
+
+
+@pytest.mark.parametrize("fill_pass", PASSES)
+def test_full_disk_then_resume_gives_identical_index(tmp_path, reference, fill_pass):
+    source, ref = reference
+    out = tmp_path / "disk" / "out"
+    if fill_pass == "finalize":  # the earlier passes peak above the final size: fill it up
+        disk = Tmpfs(tmp_path / "disk", 64 << 20)
+        build(_config(source, out))
+        (out / fmt.MANIFEST).unlink()  # as if killed just before writing it
+        _fill(disk.path)
+    else:
+        disk = Tmpfs(tmp_path / "disk", _fill_size(ref, fill_pass))
+    try:
+        with pytest.raises((OSError, lmdb.Error)) as failed:
+            build(_config(source, out))
+        assert "No space left on device" in str(failed.value)
+        assert _unfinished_pass(out) == fill_pass
+        assert not (out / fmt.MANIFEST).exists()
+
+        (disk.path / "filler").unlink(missing_ok=True)
+        disk.resize(64 << 20)
+        build(_config(source, out))
+        assert content_files(out) == content_files(ref)
+        assert (out / fmt.BUCKETS).read_bytes() == (ref / fmt.BUCKETS).read_bytes()
+        assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in ref.iterdir())
+    finally:
+        disk.unmount()
+
+
+def test_full_disk_in_a_worker_names_the_file(tmp_path, reference):
+    """The ENOSPC of a pass 3 worker reaches the command line as itself, with the file."""
+    source, ref = reference
+    disk = Tmpfs(tmp_path / "disk", _fill_size(ref, "features"))
+    out = disk.path / "out"
+    try:
+        args = ["build-index", source, "--out", out, "--shard-tokens", SHARD_TOKENS]
+        result = run_cli(*args, "--workers", "2", "--quiet")
+        assert_clean_failure(result, out, f"disk full writing {out}/shard-0000", "run the same")
+    finally:
+        disk.unmount()
+
+
+DIE_IN_WORKERS = """
+import os, sys
+from teralm.build_index.builder import BuildError, _run_units
+if __name__ == "__main__":
+    try:
+        _run_units(os._exit, [(3,)] * 4, 2, print)
+    except BuildError as e:
+        print(e)
+        sys.exit(1)
+"""
+
+
+def test_dead_worker_stops_the_build_with_a_message(tmp_path):
+    """A worker killed mid-job (out of memory, kill -9) ends the build; it never waits forever."""
+    script = tmp_path / "die.py"
+    script.write_text(DIE_IN_WORKERS)
+    try:
+        result = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the build waited forever for a dead worker")
+    assert result.returncode == 1, result.stderr
+    assert "worker" in result.stdout and "run the same command again" in result.stdout
+
+
+@pytest.mark.parametrize("flag", ["--verify-samples=-1", "--workers=0", "--max-match=0"])
+def test_bad_flag_fails_before_any_work(tmp_path, flag):
+    (tmp_path / "a.txt").write_text("some text " * 100)
+    out = tmp_path / "out"
+    result = run_cli("build-index", tmp_path / "a.txt", "--out", out, flag)
+    assert_clean_failure(result, out, flag.split("=")[0])
+    assert result.stderr.count("\n") == 1 and not out.exists()
+
+
+@pytest.mark.parametrize(
+    "line, problem",
+    [(b'{"text": "a\\ud800b"}', "surrogate"), (b'{"text": "a\xffb"}', "UTF-8")],
+)
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe:300"])
+def test_bad_text_names_file_and_line(tmp_path, line, problem, tokenizer):
+    path = tmp_path / "c.jsonl"
+    path.write_bytes(json.dumps({"text": "fine"}).encode() + b"\n" + line + b"\n")
+    config = BuildConfig(str(path), tmp_path / "out", tokenizer=tokenizer, progress=False)
+    with pytest.raises(SourceError, match=f"{path}:2: .*{problem}"):
+        build(config)
