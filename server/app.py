@@ -7,10 +7,9 @@ import asyncio
 import contextlib
 import json
 import logging
-import secrets
 import time
-from collections import Counter, deque
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import AsyncIterator
 from importlib import resources
 
 from fastapi import FastAPI, Request
@@ -18,8 +17,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from teralm.server.engine import Engine, Sampling, Sequence, TokenEvent
+from teralm.server.guard import Guard, RequestMetrics
 from teralm.server.protocol import (
     CompletionRequest,
+    ErrorResponse,
     Limits,
     LookupRequest,
     completion_id,
@@ -29,68 +30,63 @@ from teralm.server.protocol import (
 from teralm.server.text import TextStream, token_text
 
 log = logging.getLogger("teralm.server")
-OPEN_PATHS = {"/health", "/"}  # the playground page is static; it sends the key itself
+ERRORS = {  # as the OpenAPI document shows them: any route may answer these
+    "4XX": {"model": ErrorResponse, "description": "The request's fault"},
+    "5XX": {"model": ErrorResponse, "description": "The server's fault"},
+}
+JSON_ERRORS = {  # for routes that answer text or HTML: their errors are JSON all the same
+    code: {
+        "description": spec["description"],
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+    }
+    for code, spec in ERRORS.items()
+}
+STREAMED = {
+    200: {
+        "description": "The completion, or with stream: server-sent events",
+        "content": {"text/event-stream": {}},
+    }
+}
 
 
-class BadRequest(Exception):
+class ApiError(Exception):
+    """An error answered with an OpenAI error object: the client's (4xx) or the server's (5xx)."""
+
     def __init__(self, message: str, status: int = 400, param: str | None = None):
         super().__init__(message)
         self.status, self.param = status, param
+        self.kind = "server_error" if status >= 500 else "invalid_request_error"
 
-
-@dataclass
-class Metrics:
-    requests: Counter = field(default_factory=Counter)  # by status code
-    latency_sum: float = 0.0
-    latency_count: int = 0
-    started: float = field(default_factory=time.time)
+    def body(self) -> dict:
+        return error_body(str(self), self.kind, self.param)
 
 
 def create_app(
     engine: Engine, model_name: str, limits: Limits | None = None, api_key: str | None = None
 ) -> FastAPI:
     limits = limits or Limits()
-    app = FastAPI(title="teralm", docs_url=None, redoc_url=None)
-    metrics = Metrics()
+    app = FastAPI(title="teralm", docs_url=None, redoc_url=None, responses=ERRORS)
+    metrics = RequestMetrics()
+    app.add_middleware(
+        Guard, metrics=metrics, api_key=api_key, max_body_bytes=limits.max_body_bytes
+    )
     ix = engine.index
     byte_level = ix.manifest["tokenizer"] == "bytes"
 
     decode = ix.decode
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        began = time.perf_counter()
-        if api_key and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                response = JSONResponse(
-                    error_body(
-                        "missing or wrong API key (Authorization: Bearer KEY)",
-                        "authentication_error",
-                        code="invalid_api_key",
-                    ),
-                    401,
-                )
-                metrics.requests[401] += 1
-                return response
-        size = request.headers.get("content-length")
-        if size is not None and (not size.isdigit() or int(size) > limits.max_body_bytes):
-            metrics.requests[413] += 1
-            return JSONResponse(error_body(f"request body over {limits.max_body_bytes} bytes"), 413)
-        response = await call_next(request)
-        metrics.requests[response.status_code] += 1
-        metrics.latency_sum += time.perf_counter() - began
-        metrics.latency_count += 1
-        return response
-
-    @app.exception_handler(BadRequest)
-    async def bad_request(_, exc: BadRequest):
-        return JSONResponse(error_body(str(exc), param=exc.param), exc.status)
+    @app.exception_handler(ApiError)
+    async def api_error(_, exc: ApiError):
+        return JSONResponse(exc.body(), exc.status)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        errors = exc.errors()  # a union's alternatives each add one: a value error says most
+        first = next((e for e in errors if e["type"] == "value_error"), errors[0] if errors else {})
+        if first.get("type") == "json_invalid":
+            reason = first.get("ctx", {}).get("error", "")
+            return JSONResponse(error_body(f"the request body is not valid JSON ({reason})"), 400)
+        where = ".".join(str(p) for p in first.get("loc", ())[1:2]) or None  # the field
         return JSONResponse(
             error_body(f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where),
             400,
@@ -98,7 +94,11 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, exc: StarletteHTTPException):
-        return JSONResponse(error_body(str(exc.detail), code=str(exc.status_code)), exc.status_code)
+        return JSONResponse(
+            error_body(str(exc.detail), code=str(exc.status_code)),
+            exc.status_code,
+            headers=exc.headers,  # a 405's Allow
+        )
 
     @app.exception_handler(Exception)
     async def internal(_, exc: Exception):
@@ -123,7 +123,7 @@ def create_app(
             ],
         }
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=JSON_ERRORS)
     async def prometheus():
         s = engine.stats
         lines = ["# TYPE teralm_requests_total counter"]
@@ -181,7 +181,7 @@ def create_app(
     @app.post("/v1/lookup")
     async def lookup_endpoint(body: LookupRequest):
         if len(body.text) > limits.max_body_bytes:
-            raise BadRequest("text too long", param="text")
+            raise ApiError("text too long", param="text")
         return await asyncio.to_thread(lookup, body.text, body.top_k, body.sources)
 
     def encode_prompt(prompt) -> list[int]:
@@ -191,108 +191,81 @@ def create_app(
             else [int(t) for t in ix.encode(prompt)]
         )
         if any(not 0 <= t < ix.vocab_size for t in tokens):
-            raise BadRequest(f"prompt tokens must lie in 0..{ix.vocab_size - 1}", param="prompt")
+            raise ApiError(f"prompt tokens must lie in 0..{ix.vocab_size - 1}", param="prompt")
         if len(tokens) > limits.max_prompt_tokens:
-            raise BadRequest(
+            raise ApiError(
                 f"prompt of {len(tokens)} tokens; the limit is {limits.max_prompt_tokens}",
                 param="prompt",
             )
         return tokens or [int(t) for t in ix.encode("\n")]  # an empty prompt starts a new line
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=STREAMED)
     async def completions(body: CompletionRequest, request: Request):
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         if max_tokens > limits.max_tokens:
-            raise BadRequest(f"max_tokens is at most {limits.max_tokens}", param="max_tokens")
+            raise ApiError(f"max_tokens is at most {limits.max_tokens}", param="max_tokens")
         if body.n > limits.max_n:
-            raise BadRequest(f"n is at most {limits.max_n}", param="n")
+            raise ApiError(f"n is at most {limits.max_n}", param="n")
+        asked = body.prompts()
+        if len(asked) * body.n > limits.max_sequences:
+            raise ApiError(
+                f"{len(asked)} prompts × n {body.n} sequences; the limit is {limits.max_sequences}",
+                param="prompt",
+            )
         if body.logprobs is not None and body.logprobs > limits.max_logprobs:
-            raise BadRequest(f"logprobs is at most {limits.max_logprobs}", param="logprobs")
+            raise ApiError(f"logprobs is at most {limits.max_logprobs}", param="logprobs")
         if body.model not in (None, model_name):
-            raise BadRequest(
+            raise ApiError(
                 f"unknown model {body.model!r}; this server has {model_name!r}", 404, param="model"
             )
-        prompts = [encode_prompt(p) for p in body.prompts()]
+        prompts = [encode_prompt(p) for p in asked]
         if max_tokens == 0 and not body.echo:
-            raise BadRequest("max_tokens 0 returns nothing without echo", param="max_tokens")
+            raise ApiError("max_tokens 0 returns nothing without echo", param="max_tokens")
+        wake = Wakeup()
         choices = [
-            Choice(i * body.n + j, p, body, max_tokens, decode, byte_level)
+            Choice(i * body.n + j, p, body, max_tokens, decode, byte_level, wake)
             for i, p in enumerate(prompts)
             for j in range(body.n)
         ]
-        wake = Wakeup()
-        for c in choices:
-            c.start(engine, wake)
+        engine.submit([c.seq for c in choices])
         cid, created = completion_id(), now()
         extra = {}
         if body.index:  # teralm's extra field: the index's view of the (first) prompt
             extra["index"] = await asyncio.to_thread(lookup, decode(prompts[0]), 5, 3)
-        deadline = time.monotonic() + limits.timeout_s
+        progress = follow(choices, wake, request, limits.timeout_s)
+
+        def envelope(**fields) -> dict:
+            return {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": model_name,
+                **fields,
+            }
 
         if body.stream:
 
             async def events():
                 try:
-                    while not all(c.finished for c in choices):
-                        remaining = deadline - time.monotonic()
-                        if remaining <= 0 or await request.is_disconnected():
-                            break
-                        await wake.wait(min(remaining, 0.5))
-                        for c in choices:
-                            for chunk in c.drain():
-                                yield sse(
-                                    {
-                                        "id": cid,
-                                        "object": "text_completion",
-                                        "created": created,
-                                        "model": model_name,
-                                        "choices": [chunk],
-                                    }
-                                )
-                    if extra:
-                        yield sse(
-                            {
-                                "id": cid,
-                                "object": "text_completion",
-                                "created": created,
-                                "model": model_name,
-                                "choices": [],
-                                **extra,
-                            }
-                        )
-                    yield "data: [DONE]\n\n"
-                finally:
-                    for c in choices:
-                        c.seq.cancel()
+                    async for chunks in progress:
+                        for chunk in chunks:
+                            yield sse(envelope(choices=[chunk]))
+                except ApiError as e:  # the status is sent already: an error event, as OpenAI's
+                    yield sse(e.body())
+                    return
+                if extra:
+                    yield sse(envelope(choices=[], **extra))
+                yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        try:
-            while not all(c.finished for c in choices):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise BadRequest(f"generation took longer than {limits.timeout_s:.0f} s", 408)
-                if await request.is_disconnected():
-                    break
-                await wake.wait(min(remaining, 0.5))
-                for c in choices:
-                    c.drain()
-        finally:
-            for c in choices:
-                c.seq.cancel()
-        if any(c.error for c in choices):
-            raise BadRequest(next(c.error for c in choices if c.error), 500)
-        return {
-            "id": cid,
-            "object": "text_completion",
-            "created": created,
-            "model": model_name,
-            "choices": [c.result() for c in choices],
-            "usage": usage(prompts, body.n, choices),
-            **extra,
-        }
+        async for _ in progress:
+            pass
+        return envelope(
+            choices=[c.result() for c in choices], usage=usage(prompts, body.n, choices), **extra
+        )
 
-    @app.get("/", response_class=HTMLResponse)
+    @app.get("/", response_class=HTMLResponse, responses=JSON_ERRORS)
     async def playground():
         return resources.files("teralm.server").joinpath("playground.html").read_text()
 
@@ -310,7 +283,7 @@ def usage(prompts: list[list[int]], n: int, choices: list[Choice]) -> dict:
 
 
 class Wakeup:
-    """Set from the engine thread when any choice of a request has news."""
+    """Set when any choice of a request has news (from the engine thread), or the client left."""
 
     def __init__(self):
         self.loop = asyncio.get_running_loop()
@@ -323,6 +296,41 @@ class Wakeup:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.event.wait(), timeout)
         self.event.clear()
+
+
+async def cancel_on_hangup(request: Request, choices: list[Choice], wake: Wakeup) -> None:
+    """Wait for the client to disconnect (its body is read already), then cancel the request's
+    sequences."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    for c in choices:
+        c.seq.cancel()
+    wake.notify()
+
+
+async def follow(
+    choices: list[Choice], wake: Wakeup, request: Request, timeout_s: float
+) -> AsyncIterator[list[dict]]:
+    """The choices' new chunks as the engine makes them, until all have finished or the client
+    left. Raises ApiError when time runs out (408) or a generation failed (500); the sequences
+    are cancelled however it ends."""
+    deadline = time.monotonic() + timeout_s
+    hangup = asyncio.create_task(cancel_on_hangup(request, choices, wake))
+    try:
+        while not (hangup.done() or all(c.finished for c in choices)):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ApiError(f"generation took longer than {timeout_s:.0f} s", 408)
+            await wake.wait(remaining)
+            chunks = [chunk for c in choices for chunk in c.drain()]
+            failure = next((c.error for c in choices if c.error), None)
+            if failure:
+                raise ApiError(f"generation failed: {failure}", 500)
+            yield chunks
+    finally:
+        hangup.cancel()
+        for c in choices:
+            c.seq.cancel()
 
 
 def sse(payload: dict) -> str:
@@ -340,6 +348,7 @@ class Choice:
         max_tokens: int,
         decode,
         byte_level: bool,
+        wake: Wakeup,
     ):
         self.index, self.prompt, self.body = index, prompt, body
         self.decode, self.byte_level = decode, byte_level
@@ -358,20 +367,22 @@ class Choice:
         self.generated = 0
         self.logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         self.offset = 0
-        self.seq: Sequence | None = None
 
-    def start(self, engine: Engine, wake: Wakeup) -> None:
         def on_event(event: TokenEvent) -> None:  # the engine thread
             self.updates.append(event)
             wake.notify()
 
-        self.seq = engine.submit(Sequence(self.prompt, self.sampling, on_event))
+        self.seq = Sequence(prompt, self.sampling, on_event)
 
     def drain(self) -> list[dict]:
-        """Turn queued engine events into stream chunks (and accumulate the full result)."""
+        """Turn queued engine events into stream chunks (and accumulate the full result). A
+        failed sequence ends with ``error`` set, and no chunk."""
         chunks = []
         while not self.finished and self.updates:
             event = self.updates.popleft()
+            if event.finish == "error":
+                self.finished, self.error = True, event.error
+                break
             delta = ""
             if event.token is not None:
                 if not event.prompt:
@@ -383,8 +394,6 @@ class Choice:
                 finish = "stop"
                 self.seq.cancel()
             if finish:
-                if finish.startswith("error"):
-                    self.error = finish
                 delta += self.stream.finish()
                 self.finished, self.finish_reason = True, "stop" if finish == "stop" else "length"
             self.text += delta

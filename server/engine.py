@@ -1,17 +1,20 @@
 """The generation engine: one model and one index shared by every request.
 
-A worker thread owns the model. Each loop it admits waiting sequences (one prefill each), samples
-one token for every active sequence, looks each new token up in the index (the online matcher, so
-the model sees the features it was trained with), then runs one batched decode step over all
-active sequences with their KV caches padded to a common length. Requests talk to it through
-``Sequence`` objects: events come back through a callback, and ``cancel()`` stops one.
+A worker thread owns the model. Each loop it admits waiting sequences (one prefill each, taking
+requests in turn), samples one token for every active sequence, looks each new token up in the
+index (the online matcher, so the model sees the features it was trained with), then runs one
+batched decode step over all active sequences with their KV caches padded to a common length.
+Requests talk to it through ``Sequence`` objects: events come back through a callback, and
+``cancel()`` stops one. Work on one sequence that fails ends that sequence alone, with an error
+event; a failed batched step ends the sequences in it.
 """
 
 from __future__ import annotations
 
-import queue
+import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,6 +25,9 @@ from teralm.index.query import OnlineMatcher
 from teralm.model import Transformer
 from teralm.train.generate import infgram_probs, next_token_logp
 from teralm.train.loop import autocast
+
+log = logging.getLogger("teralm.server")
+GREEDY_BELOW = 1e-6  # temperatures under this pick the most likely token
 
 
 @dataclass
@@ -38,13 +44,15 @@ class Sampling:
 @dataclass
 class TokenEvent:
     """One token: its id, log-probability, the top alternatives, and whether it is a prompt
-    token (echo). ``finish`` is set on the sequence's last event ("length", "stop", ...)."""
+    token (echo). ``finish`` is set on the sequence's last event ("length", or "error" with the
+    ``error``'s message)."""
 
     token: int | None
     logprob: float | None = None
     top: dict[int, float] | None = None
     prompt: bool = False
     finish: str | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -68,6 +76,59 @@ class Sequence:
         self.cancelled = True
 
 
+class WaitingRoom:
+    """Sequences waiting for a place in the batch, grouped by request. ``get`` takes one sequence
+    from each request in turn, so a request with many sequences cannot hold back the others."""
+
+    def __init__(self):
+        self._requests: deque[deque[Sequence]] = deque()
+        self._changed = threading.Condition()
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def put(self, seqs: list[Sequence]) -> None:
+        """Queue one request's sequences."""
+        if not seqs:
+            return
+        with self._changed:
+            self._requests.append(deque(seqs))
+            self._size += len(seqs)
+            self._changed.notify()
+
+    def get(self, timeout: float) -> Sequence | None:
+        """The next request's next sequence; None if none came within ``timeout`` seconds."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._requests, timeout):
+                return None
+            request = self._requests.popleft()
+            seq = request.popleft()
+            if request:
+                self._requests.append(request)
+            self._size -= 1
+            return seq
+
+
+def sample_token(logp: torch.Tensor, s: Sampling, generator: torch.Generator) -> int:
+    """Draw the next token from log-probabilities [vocab] with ``s``'s temperature, top-k and
+    top-p. Safe for any temperature >= 0 and top_p > 0: tiny temperatures are greedy, and top-p
+    always keeps the most likely token."""
+    if s.temperature < GREEDY_BELOW:
+        return int(logp.argmax())
+    scaled = (logp - logp.max()) / s.temperature  # the best token at 0: nothing overflows
+    if s.top_k:
+        cutoff = torch.topk(scaled, min(s.top_k, scaled.shape[0])).values[-1]
+        scaled = scaled.masked_fill(scaled < cutoff, float("-inf"))
+    if s.top_p < 1.0:
+        order = torch.argsort(scaled, descending=True)
+        probs = torch.softmax(scaled[order], dim=-1)
+        drop = probs.cumsum(0) - probs >= s.top_p  # the mass of the tokens before each one
+        drop[0] = False
+        scaled[order[drop]] = float("-inf")
+    return int(torch.multinomial(torch.softmax(scaled, -1), 1, generator=generator))
+
+
 @dataclass
 class EngineStats:
     tokens: int = 0
@@ -82,7 +143,7 @@ class Engine:
         self.index = index
         self.device = next(model.parameters()).device
         self.max_batch = max_batch
-        self.waiting: queue.Queue[Sequence] = queue.Queue()
+        self.waiting = WaitingRoom()
         self.active: list[Sequence] = []
         self.stats = EngineStats()
         self._stop = threading.Event()
@@ -91,11 +152,11 @@ class Engine:
 
     @property
     def queue_depth(self) -> int:
-        return self.waiting.qsize()
+        return len(self.waiting)
 
-    def submit(self, seq: Sequence) -> Sequence:
-        self.waiting.put(seq)
-        return seq
+    def submit(self, seqs: list[Sequence]) -> None:
+        """Queue one request's sequences; requests take turns for places in the batch."""
+        self.waiting.put(seqs)
 
     def close(self) -> None:
         self._stop.set()
@@ -107,33 +168,35 @@ class Engine:
         torch.set_grad_enabled(False)
         while not self._stop.is_set():
             self._admit()
-            if not self.active:
-                continue
-            try:
-                for seq in self.active:
-                    self._sample(seq)
-                self.active = [s for s in self.active if not (s.done or s.cancelled)]
-                if self.active:
-                    self._decode(self.active)
-            except Exception as e:  # fail the batch, keep serving
-                for seq in self.active:
-                    seq.on_event(TokenEvent(None, finish=f"error: {e}"))
-                self.active = []
+            for seq in self.active:
+                self._try(self._sample, seq)
+            self.active = [s for s in self.active if not (s.done or s.cancelled)]
+            if self.active:
+                self._decode(self.active)
 
     def _admit(self) -> None:
         while len(self.active) < self.max_batch:
-            try:
-                seq = self.waiting.get(timeout=0.05 if not self.active else 0)
-            except queue.Empty:
+            seq = self.waiting.get(timeout=0.05 if not self.active else 0)
+            if seq is None:
                 return
             if seq.cancelled:
                 continue
-            try:
-                self._prefill(seq)
-            except Exception as e:  # a failed request must not take the engine down
-                seq.on_event(TokenEvent(None, finish=f"error: {e}"))
-                continue
-            self.active.append(seq)
+            self._try(self._prefill, seq)
+            if not seq.done:  # done already: it failed, or has max_tokens 0
+                self.active.append(seq)
+
+    def _try(self, work: Callable[[Sequence], None], seq: Sequence) -> None:
+        """``work`` on one sequence; if it raises, that sequence ends with an error event and
+        the others go on."""
+        try:
+            work(seq)
+        except Exception as e:
+            self._fail(seq, e)
+
+    def _fail(self, seq: Sequence, error: Exception) -> None:
+        log.error("generation failed", exc_info=error)
+        seq.done = True
+        seq.on_event(TokenEvent(None, finish="error", error=str(error) or type(error).__name__))
 
     def _features(self, seq: Sequence, token: int) -> tuple[int, int]:
         began = time.perf_counter()
@@ -215,21 +278,8 @@ class Engine:
         if seq.done or seq.cancelled:
             return
         s = seq.sampling
-        logits = seq.logits
-        if s.temperature <= 0:
-            token = int(logits.argmax())
-        else:
-            scaled = logits / s.temperature
-            if s.top_k:
-                cutoff = torch.topk(scaled, min(s.top_k, scaled.shape[0])).values[-1]
-                scaled = scaled.masked_fill(scaled < cutoff, float("-inf"))
-            if s.top_p < 1.0:
-                order = torch.argsort(scaled, descending=True)
-                probs = torch.softmax(scaled[order], dim=-1)
-                drop = order[probs.cumsum(0) - probs >= s.top_p]  # mass before each token
-                scaled[drop] = float("-inf")
-            token = int(torch.multinomial(torch.softmax(scaled, -1), 1, generator=seq.generator))
-        logp = F.log_softmax(logits, dim=-1)
+        token = sample_token(seq.logits, s, seq.generator)
+        logp = F.log_softmax(seq.logits, dim=-1)
         seq.tokens.append(token)
         seq.generated += 1
         self.stats.tokens += 1
@@ -241,16 +291,25 @@ class Engine:
             seq.features.append(self._features(seq, token))
 
     def _decode(self, seqs: list[Sequence]) -> None:
-        """One batched step: the last token of every sequence against its cache."""
+        """One step for every sequence: a fresh forward of its second half when its context is
+        full, else the batched step."""
         window = self.model.cfg.max_seq_len
         ready = []
         for seq in seqs:
-            if len(seq.tokens) - seq.cache_start > window:  # context full: keep its second half
-                self._forward_fresh(seq, len(seq.tokens) - window // 2)
+            if len(seq.tokens) - seq.cache_start > window:
+                self._try(lambda s: self._forward_fresh(s, len(s.tokens) - window // 2), seq)
             else:
                 ready.append(seq)
         if not ready:
             return
+        try:
+            self._step(ready)
+        except Exception as e:  # the batched forward is the server's fault: it ends the batch
+            for seq in ready:
+                self._fail(seq, e)
+
+    def _step(self, ready: list[Sequence]) -> None:
+        """The last token of every sequence against its cache, in one batch."""
         lengths = [s.cache[0][0].shape[1] for s in ready]
         longest = max(lengths)
         past = []

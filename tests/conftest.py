@@ -52,3 +52,25 @@ def build_docs(tmp_path: Path, docs: list[str], **kwargs) -> Index:
 @pytest.fixture
 def rng(request) -> np.random.Generator:
     return np.random.default_rng(abs(hash(request.node.name)) % 2**32)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> dict:
+    """A tiny model trained for 30 steps on a built index, for the server tests: the index, the
+    run folder and the model loaded from it."""
+    import torch
+    from teralm.model import ModelConfig
+    from teralm.train.config import RunConfig, TrainConfig
+    from teralm.train.evaluate import load_model
+    from teralm.train.loop import train
+
+    base = tmp_path_factory.mktemp("tiny-run")
+    rng = np.random.default_rng(21)
+    ix = build_docs(base / "corpus", random_documents(rng, 30, alphabet="abcde", max_len=300))
+    config = RunConfig(
+        ModelConfig(n_layer=2, n_head=2, d_model=32, max_seq_len=48, attention="tscale", window=8),
+        TrainConfig(batch_size=4, seq_len=32, max_steps=30, warmup_steps=3, holdout_every=10),
+    )
+    train(ix, config, base / "run", progress=False)
+    model, _ = load_model(base / "run", torch.device("cpu"))
+    return {"ix": ix, "run": base / "run", "model": model}

@@ -14,32 +14,12 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import build_docs, random_documents
-from teralm.model import ModelConfig
-from teralm.train.config import RunConfig, TrainConfig
-from teralm.train.evaluate import load_model
-from teralm.train.generate import generate
-from teralm.train.loop import train
-
-KEY = "test-key-123"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from serving import KEY, free_port, greedy, request, wait_until_up
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    base = tmp_path_factory.mktemp("serve")
-    rng = np.random.default_rng(21)
-    ix = build_docs(base / "corpus", random_documents(rng, 30, alphabet="abcde", max_len=300))
-    config = RunConfig(
-        ModelConfig(n_layer=2, n_head=2, d_model=32, max_seq_len=48, attention="tscale", window=8),
-        TrainConfig(batch_size=4, seq_len=32, max_steps=30, warmup_steps=3, holdout_every=10),
-    )
-    train(ix, config, base / "run", progress=False)
+def served(tiny_run):
+    ix, run = tiny_run["ix"], tiny_run["run"]
     port = free_port()
     cmd = [
         sys.executable,
@@ -49,7 +29,7 @@ def served(tmp_path_factory):
         "--index",
         ix.directory,
         "--run",
-        base / "run",
+        run,
         "--port",
         port,
         "--api-key",
@@ -62,35 +42,16 @@ def served(tmp_path_factory):
     proc = subprocess.Popen(
         list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        try:
-            status, _ = request(port, "GET", "/health")
-            if status == 200:
-                break
-        except OSError:
-            time.sleep(0.3)
-        assert proc.poll() is None, proc.stdout.read()
-    model, _ = load_model(base / "run", torch.device("cpu"))
-    yield {"port": port, "ix": ix, "model": model, "name": f"teralm-{(base / 'run').name}"}
+    wait_until_up(port, alive=lambda: proc.poll() is None)
+    yield {
+        "port": port,
+        "ix": ix,
+        "run": run,
+        "model": tiny_run["model"],
+        "name": f"teralm-{run.name}",
+    }
     proc.terminate()
     proc.wait(timeout=30)
-
-
-def request(port, method, path, body=None, key=KEY, raw: bytes | None = None, headers=None):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    h = {"Content-Type": "application/json", **(headers or {})}
-    if key:
-        h["Authorization"] = f"Bearer {key}"
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    conn.request(method, path, body=data, headers=h)
-    response = conn.getresponse()
-    payload = response.read()
-    conn.close()
-    try:
-        return response.status, json.loads(payload)
-    except ValueError:
-        return response.status, payload.decode()
 
 
 def client(served):
@@ -100,9 +61,7 @@ def client(served):
 
 
 def reference(served, prompt: str, n: int) -> str:
-    ix = served["ix"]
-    out = generate(served["model"], ix, ix.encode(prompt), n, temperature=0)
-    return ix.decode(out)
+    return greedy(served["model"], served["ix"], prompt, n)
 
 
 def test_openai_client_completion_equals_local_greedy(served):
@@ -303,7 +262,7 @@ def test_serve_refuses_another_tokenizer_and_loads_fp8_exports(served, tmp_path)
     from teralm.build_index import BuildConfig, build
 
     ix = served["ix"]
-    run = ix.directory.parent.parent / "run"
+    run = served["run"]
     docs = [ix.decode(ix.tokens(*ix.document_range(d))) for d in range(ix.num_documents)]
     source = write_jsonl(tmp_path / "docs.jsonl", docs)
     build(
@@ -354,13 +313,7 @@ def test_serve_refuses_another_tokenizer_and_loads_fp8_exports(served, tmp_path)
         text=True,
     )
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if request(port, "GET", "/health", key=None)[0] == 200:
-                    break
-            except OSError:
-                time.sleep(0.3)
+        wait_until_up(port, 120, alive=lambda: proc.poll() is None)
         code, answer = request(
             port, "POST", "/v1/completions", {"prompt": "ab", "max_tokens": 8}, key=None
         )

@@ -1,0 +1,103 @@
+"""Helpers for the server tests: real uvicorn servers on 127.0.0.1 (a `teralm serve` process, or
+an app in a thread of the test), raw HTTP, and what /metrics says."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import uvicorn
+from teralm.index import Index
+from teralm.model import Transformer
+from teralm.server.app import create_app
+from teralm.server.engine import Engine
+from teralm.server.protocol import Limits
+from teralm.train.generate import generate
+
+KEY = "test-key-123"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def request(port, method, path, body=None, key=KEY, raw: bytes | None = None, headers=None):
+    """One HTTP request; returns the status and the JSON answer (or its text)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    h = {"Content-Type": "application/json", **(headers or {})}
+    if key:
+        h["Authorization"] = f"Bearer {key}"
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    conn.request(method, path, body=data, headers=h)
+    response = conn.getresponse()
+    payload = response.read()
+    conn.close()
+    try:
+        return response.status, json.loads(payload)
+    except ValueError:
+        return response.status, payload.decode()
+
+
+def wait_until_up(port: int, seconds: float = 180, alive=lambda: True) -> None:
+    """Wait for /health to answer (``alive`` false: the server died; fail at once)."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        assert alive(), "the server exited"
+        try:
+            if request(port, "GET", "/health", key=None)[0] == 200:
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError(f"no server on port {port} after {seconds} s")
+
+
+@contextmanager
+def serve_in_thread(
+    model: Transformer,
+    ix: Index,
+    limits: Limits | None = None,
+    max_batch: int = 16,
+    api_key: str | None = KEY,
+) -> Iterator[dict]:
+    """``create_app`` over a real Engine, served by uvicorn on 127.0.0.1 in a thread."""
+    engine = Engine(model, ix, max_batch=max_batch)
+    app = create_app(engine, "teralm-test", limits, api_key)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_until_up(port, alive=thread.is_alive)
+        yield {"port": port, "engine": engine, "ix": ix, "model": model}
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        engine.close()
+
+
+def metric(port: int, name: str) -> float:
+    """One value from /metrics."""
+    _, text = request(port, "GET", "/metrics")
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name)))
+
+
+def wait_until_idle(port: int, seconds: float = 120) -> None:
+    """Wait for the engine to have nothing active or waiting (fails on a hang, not on speed)."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if metric(port, "teralm_active_sequences") == metric(port, "teralm_queue_depth") == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the engine still works after {seconds} s")
+
+
+def greedy(model: Transformer, ix: Index, prompt: str, n: int) -> str:
+    """The local greedy continuation the server must reproduce."""
+    return ix.decode(generate(model, ix, ix.encode(prompt), n, temperature=0))
