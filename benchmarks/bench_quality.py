@@ -1,7 +1,7 @@
 """Quality benchmark: held-out bits per byte on pydocs, with and without the index input.
 
     pip install -e .
-    python benchmarks/bench_quality.py [--steps N] [--max-tokens 100000] [--precision bf16]
+    python benchmarks/bench_quality.py [--steps N] [--max-tokens 100000] [--precision auto]
 
 Builds the byte index of all of pydocs (documents with id % 50 == 0 are held out by the trainer),
 trains the ``tiny`` preset twice with equal steps and tokens (index input on, then off), and
@@ -28,7 +28,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=None, help="default: the tiny preset's")
     parser.add_argument("--max-tokens", type=int, default=100_000)
-    parser.add_argument("--precision", default="bf16")
+    parser.add_argument("--precision", default="auto")
     args = parser.parse_args()
     if not PYDOCS.exists():
         sys.exit(f"{PYDOCS} not found: the benchmark reads the team's shared data folder")

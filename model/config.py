@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 PRECISIONS = ("fp32", "bf16", "fp8", "int8")
+AUTO = "auto"  # a config's request: resolved for the machine by teralm.infer.choose_precision
 
 
 @dataclass
@@ -17,7 +18,8 @@ class ModelConfig:
     bucket) through a learned gate; off for ablations, with all else equal (it also turns off
     ``index_mixture``). ``index_mixture``: the output mixes the model's next-token distribution
     with the ∞-gram's, with a weight the model computes at every position.
-    ``precision``: arithmetic of every Linear layer in the blocks (see teralm.kernels.fp8).
+    ``precision``: arithmetic of every Linear layer in the blocks (see teralm.kernels.fp8), or
+    ``auto`` in a config, which training resolves for the machine before it builds the model.
     """
 
     vocab_size: int = 256
@@ -43,8 +45,8 @@ class ModelConfig:
             raise ValueError(f"mlp must be relu2 or swiglu, not {self.mlp!r}")
         if self.attention not in ("full", "tscale"):
             raise ValueError(f"attention must be full or tscale, not {self.attention!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}")
+        if self.precision not in (*PRECISIONS, AUTO):
+            raise ValueError(f"precision must be one of {', '.join((*PRECISIONS, AUTO))}")
 
     def to_dict(self) -> dict:
         return asdict(self)

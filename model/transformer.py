@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from teralm.kernels.fp8 import Fp8Matmul, Int8Matmul
-from teralm.model.config import ModelConfig
+from teralm.model.config import PRECISIONS, ModelConfig
 from torch import nn
 
 
@@ -180,6 +180,8 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        if cfg.precision not in PRECISIONS:
+            raise ValueError(f"precision {cfg.precision!r}: resolve it first (choose_precision)")
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         nn.init.normal_(self.embed.weight, std=0.02)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from teralm.model.config import PRECISIONS
+from teralm.model.config import AUTO, PRECISIONS
 from teralm.train.config import PRESETS
 
 
@@ -20,9 +21,14 @@ def add_parsers(sub) -> None:
     group.add_argument("--config", type=Path, help="TOML file with [model] and [train] tables")
     t.add_argument("--resume", action="store_true", help="continue the run in --out")
     t.add_argument("--no-index-input", action="store_true", help="ablation: no index features")
-    t.add_argument("--precision", choices=PRECISIONS)
+    t.add_argument(
+        "--precision",
+        choices=(AUTO, *PRECISIONS),
+        help="auto: bf16 on a GPU or a CPU with native bf16, else fp32",
+    )
     t.add_argument("--max-steps", type=int)
     t.add_argument("--max-minutes", type=float)
+    t.add_argument("--checkpoint-every", type=int, help="steps between checkpoints")
     t.add_argument("--seed", type=int)
     t.add_argument("--quiet", action="store_true")
 
@@ -51,14 +57,32 @@ def add_parsers(sub) -> None:
         default=None,
         help="require 'Authorization: Bearer KEY'; 'env' reads TERALM_API_KEY",
     )
-    v.add_argument("--max-tokens", type=int, default=1024, help="limit per request")
-    v.add_argument("--max-prompt-tokens", type=int, default=4096)
-    v.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
-    v.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    v.add_argument("--max-tokens", type=_positive(int), default=1024, help="limit per request")
+    v.add_argument("--max-prompt-tokens", type=_positive(int), default=4096)
+    v.add_argument(
+        "--max-sequences", type=_positive(int), default=64, help="prompts × n per request"
+    )
+    v.add_argument(
+        "--max-batch", type=_positive(int), default=16, help="sequences decoded together"
+    )
+    v.add_argument("--timeout", type=_positive(float), default=120.0, help="seconds per request")
 
     x = sub.add_parser("export-fp8", help="write a run's model with fp8 weights")
     x.add_argument("run", type=Path)
     x.add_argument("--out", type=Path, required=True)
+
+
+def _positive(kind: type) -> Callable[[str], int | float]:
+    """An argparse type: a number of ``kind`` above 0."""
+
+    def parse(text: str) -> int | float:
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text} is not above 0")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse's "invalid int value" names it
+    return parse
 
 
 def _fail(command: str, message: str) -> int:
@@ -69,20 +93,20 @@ def _fail(command: str, message: str) -> int:
 def _train(args: argparse.Namespace) -> int:
     from teralm.index import Index
     from teralm.train.config import load_config
-    from teralm.train.loop import train
+    from teralm.train.loop import holds_run, saved_config, train
     from teralm.train.report import plot_loss, summary
 
     try:
         ix = Index.open(args.index)
-        if args.resume and (args.out / "config.json").exists() and not (args.preset or args.config):
-            config = _saved_config(args.out)
+        if args.resume and holds_run(args.out) and not (args.preset or args.config):
+            config = saved_config(args.out)
         else:
             config = load_config(args.preset, args.config)
         if args.no_index_input:
             config.model.index_input = False
         if args.precision:
             config.model.precision = args.precision
-        for name in ("max_steps", "max_minutes", "seed"):
+        for name in ("max_steps", "max_minutes", "checkpoint_every", "seed"):
             if getattr(args, name) is not None:
                 setattr(config.train, name, getattr(args, name))
         result = train(ix, config, args.out, resume=args.resume, progress=not args.quiet)
@@ -93,12 +117,6 @@ def _train(args: argparse.Namespace) -> int:
     plot_loss(args.out)
     print(summary(args.out, result))
     return 0
-
-
-def _saved_config(run: Path):
-    from teralm.train.config import RunConfig
-
-    return RunConfig.from_saved(json.loads((run / "config.json").read_text())["config"])
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -172,6 +190,12 @@ def _export(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import os
 
+    key = os.environ.get("TERALM_API_KEY") if args.api_key == "env" else args.api_key
+    if args.api_key == "env" and not key:
+        return _fail("serve", "--api-key env, but TERALM_API_KEY is not set")
+    if key is not None and not key.strip():
+        return _fail("serve", "--api-key is empty; give a key, or leave the flag out for none")
+
     import torch
     import uvicorn
 
@@ -182,9 +206,6 @@ def _serve(args: argparse.Namespace) -> int:
     from teralm.train.evaluate import load_model
     from teralm.train.loop import default_device, index_identity
 
-    key = os.environ.get("TERALM_API_KEY") if args.api_key == "env" else args.api_key
-    if args.api_key == "env" and not key:
-        return _fail("serve", "--api-key env, but TERALM_API_KEY is not set")
     try:
         ix = Index.open(args.index)
         device = default_device()
@@ -203,7 +224,10 @@ def _serve(args: argparse.Namespace) -> int:
     ix.longest_match([[0]])  # compile and warm the query kernels before the first request
     engine = Engine(model, ix, max_batch=args.max_batch)
     limits = Limits(
-        max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens, timeout_s=args.timeout
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_tokens=args.max_tokens,
+        max_sequences=args.max_sequences,
+        timeout_s=args.timeout,
     )
     name = f"teralm-{args.run.resolve().name}"
     app = create_app(engine, name, limits, key)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -22,6 +23,30 @@ from teralm.kernels.fp8 import E4M3, quantize_fp8
 
 LATEST = "latest.json"
 KEEP = 2
+NAME = re.compile(r"ckpt-\d{8,}")  # the only folders latest.json may name
+# what save() writes in state.json, and the JSON type of each
+STATE_FIELDS = {
+    "step": int,
+    "config": dict,
+    "index": dict,
+    "tokens": int,
+    "wall_s": (int, float),
+    "optimizer": dict,
+    "files": dict,
+}
+WEIGHT_FILES = ("model.safetensors", "optimizer.safetensors")
+
+
+def read_json(path: Path, advice: str) -> dict:
+    """The JSON object in ``path``; a ValueError naming the file and ending in ``advice`` when
+    it cannot be read or is not an object."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path} ({e}); {advice}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is damaged (not a JSON object); {advice}")
+    return data
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
@@ -52,7 +77,8 @@ def save(run: Path, step: int, model: torch.nn.Module, optimizer, state: dict) -
     """Write checkpoint ``step`` of ``run`` and point ``latest.json`` at it."""
     final = run / f"ckpt-{step:08d}"
     tmp = run / f".ckpt-{step:08d}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    for partial in run.glob(".ckpt-*.tmp*"):  # this save's, or one a killed run left behind
+        shutil.rmtree(partial, ignore_errors=True)
     tmp.mkdir(parents=True)
     weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     save_file(weights, tmp / "model.safetensors")
@@ -76,28 +102,38 @@ def save(run: Path, step: int, model: torch.nn.Module, optimizer, state: dict) -
 
 
 def latest(run: Path) -> Path | None:
-    """The folder ``latest.json`` names, or None when the run has no checkpoint yet."""
+    """The checkpoint folder ``latest.json`` names, or None when the run has no checkpoint yet.
+
+    Only the run's own ``ckpt-*`` folders are accepted (a plain name, resolving inside ``run``).
+    """
     pointer = run / LATEST
     if not pointer.exists():
         return None
-    try:
-        name = json.loads(pointer.read_text())["checkpoint"]
-    except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"{pointer} is damaged ({e}); delete it to start the run afresh") from None
-    return run / name
+    advice = "point it at one of the run's ckpt-* folders, or delete it to start the run afresh"
+    name = read_json(pointer, advice).get("checkpoint")
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ValueError(f"{pointer} names {name!r}, not a ckpt-NNNNNNNN folder; {advice}")
+    folder = run / name
+    if folder.resolve().parent != run.resolve():
+        raise ValueError(f"{pointer} names {folder}, which is outside the run; {advice}")
+    return folder
 
 
 def load(folder: Path, optimizer: bool = True) -> tuple[dict, dict, dict]:
     """``(model tensors, optimizer tensors, state)``; ValueError naming a damaged file. Without
     ``optimizer`` its tensors are checked but not loaded (``{}``)."""
-    try:
-        state = json.loads((folder / "state.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"checkpoint {folder} has no readable state.json ({e})") from None
-    for name, digest in state.get("files", {}).items():
-        path = folder / name
-        if not path.exists() or sha256_file(path) != digest:
-            raise ValueError(f"checkpoint file {path} is missing, truncated or damaged")
+    path = folder / "state.json"
+    advice = f"point {LATEST} at an earlier ckpt-* folder of the run, or start it afresh"
+    state = read_json(path, advice)
+    bad = [k for k, kind in STATE_FIELDS.items() if not isinstance(state.get(k), kind)]
+    if isinstance(state.get("files"), dict):
+        bad += [f"files.{name}" for name in WEIGHT_FILES if name not in state["files"]]
+    if bad:
+        raise ValueError(f"{path} is damaged (missing or wrong: {', '.join(bad)}); {advice}")
+    for name in WEIGHT_FILES:
+        file = folder / name
+        if not file.exists() or sha256_file(file) != state["files"][name]:
+            raise ValueError(f"checkpoint file {file} is missing, truncated or damaged")
     try:
         model = load_file(folder / "model.safetensors")
         moments = load_file(folder / "optimizer.safetensors") if optimizer else {}

@@ -51,7 +51,15 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}")
-        for name in ("batch_size", "seq_len", "grad_accum", "max_steps", "holdout_every"):
+        for name in (
+            "batch_size",
+            "seq_len",
+            "grad_accum",
+            "max_steps",
+            "holdout_every",
+            "checkpoint_every",
+            "log_every",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if not 0 <= self.own_loss_weight < float("inf"):
@@ -72,31 +80,58 @@ class RunConfig:
     def from_saved(cls, data: dict) -> RunConfig:
         """A run's saved config. A setting added after the run was saved takes the value that
         reproduces how the run trained, not today's default."""
+        check_shape(data)
         train = {**ADDED_SINCE, **data.get("train", {})}
         return cls.from_dict({**data, "train": train})
 
     @classmethod
     def from_dict(cls, data: dict) -> RunConfig:
-        unknown = sorted(set(data) - {"model", "train"})
-        if unknown:
-            raise ValueError(f"unknown config sections: {', '.join(unknown)}")
+        """Settings from ``{"model": {...}, "train": {...}}``; ValueError for unknown names and
+        values of the wrong type."""
+        check_shape(data)
         names = {f.name for f in fields(TrainConfig)}
         train = data.get("train", {})
         bad = sorted(set(train) - names)
         if bad:
             raise ValueError(f"unknown train settings: {', '.join(bad)}")
-        return cls(ModelConfig.from_dict(data.get("model", {})), TrainConfig(**train))
+        model = data.get("model", {})
+        check_types("model", ModelConfig, model)
+        check_types("train", TrainConfig, train)
+        return cls(ModelConfig.from_dict(model), TrainConfig(**train))
+
+
+def check_shape(data) -> None:
+    """A config is a table of a ``model`` and a ``train`` table."""
+    if not isinstance(data, dict):
+        raise ValueError("a config must be a table with [model] and [train] tables")
+    unknown = sorted(set(data) - {"model", "train"})
+    if unknown:
+        raise ValueError(f"unknown config sections: {', '.join(unknown)}")
+    for section in ("model", "train"):
+        if not isinstance(data.get(section, {}), dict):
+            raise ValueError(f"[{section}] must be a table of settings")
+
+
+def check_types(section: str, cls: type, values: dict) -> None:
+    """Each known setting has the type of its default (an int where a float is expected is fine)."""
+    for f in fields(cls):
+        if f.name not in values:
+            continue
+        value, kind = values[f.name], type(f.default)
+        allowed = (int, float) if kind is float else kind
+        if not isinstance(value, allowed) or (kind is not bool and isinstance(value, bool)):
+            raise ValueError(f"{section}.{f.name} must be {kind.__name__}, not {value!r}")
 
 
 PRESETS: dict[str, dict] = {
-    # 2 CPU cores, about 12 minutes: a byte model that already uses its index input well
+    # 2 CPU cores, 10-15 minutes: a byte model that already uses its index input well
     "tiny": {
         "model": {
             "n_layer": 4,
             "n_head": 4,
             "d_model": 256,
             "max_seq_len": 256,
-            "precision": "bf16",
+            "precision": "auto",
         },
         "train": {
             "batch_size": 16,

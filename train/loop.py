@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from teralm.index import Index
+from teralm.index import format as fmt
+from teralm.infer import choose_precision
 from teralm.model import Transformer
 from teralm.model.transformer import index_lm_loss
 from teralm.train import checkpoint
@@ -18,6 +21,7 @@ from teralm.train.data import FragmentSampler
 from tqdm import tqdm
 
 METRICS = "metrics.jsonl"
+RUN_CONFIG = "config.json"
 # settings that may change when a run is resumed (its length); anything else must match
 RESUMABLE_CHANGES = {"max_steps", "max_minutes", "checkpoint_every", "log_every"}
 
@@ -110,13 +114,73 @@ def _step_loss(micro_losses: list[torch.Tensor]) -> float:
     return total
 
 
+def _metric_step(line: str) -> int | None:
+    """The step of a ``metrics.jsonl`` line, or None when it is not a metrics record."""
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
 def _truncate_metrics(path: Path, step: int) -> None:
     """Keep the metric lines of steps up to ``step`` (a resumed run redoes the rest)."""
     if not path.exists():
         return
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in lines if json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in kept))
+    kept = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        line_step = _metric_step(line)
+        if line_step is None:
+            raise ValueError(
+                f"{path} line {number} is not a metrics record; delete that line and resume"
+            )
+        if line_step <= step:
+            kept.append(line + "\n")
+    fmt.write_atomic(path, "".join(kept).encode())
+
+
+def saved_config(run: Path) -> RunConfig:
+    """The config a run was started with (``RUN/config.json``); ValueError naming the file."""
+    path = run / RUN_CONFIG
+    advice = "pass --preset or --config with the run's settings to resume"
+    record = checkpoint.read_json(path, advice)
+    try:
+        return RunConfig.from_saved(record.get("config"))
+    except ValueError as e:
+        raise ValueError(f"{path} is not a teralm run config ({e}); {advice}") from None
+
+
+def holds_run(run: Path) -> bool:
+    """Whether folder ``run`` is a teralm run: it has a checkpoint pointer, or a run config."""
+    if (run / checkpoint.LATEST).exists():
+        return True
+    try:
+        record = json.loads((run / RUN_CONFIG).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and {"config", "index"} <= record.keys()
+
+
+def open_run(run: Path, resume: bool) -> Path | None:
+    """Create or check the run folder; the checkpoint to resume from (None: start afresh).
+
+    A folder that holds anything but a run is refused, so no file of it is overwritten."""
+    if run.exists() and not run.is_dir():
+        raise ValueError(f"--out {run} is a file, not a folder; choose another --out")
+    if run.exists() and any(run.iterdir()) and not holds_run(run):
+        raise ValueError(
+            f"--out {run} is not empty and holds no teralm run; choose another --out "
+            "(a new or empty folder)"
+        )
+    run.mkdir(parents=True, exist_ok=True)
+    folder = checkpoint.latest(run)
+    if folder is not None and not resume:
+        raise ValueError(
+            f"{run} already holds a run: pass --resume to continue it, or another --out"
+        )
+    return folder
 
 
 def train(
@@ -130,15 +194,12 @@ def train(
     """Train (or continue) the run in folder ``run``."""
     device = device or default_device()
     cfg = config.train
+    precision = choose_precision(config.model.precision, device)
+    config.model.precision = precision.precision
     config.model.vocab_size, config.model.max_match = ix.vocab_size, ix.max_match
     config.model.max_seq_len = max(config.model.max_seq_len, cfg.seq_len)
     identity = index_identity(ix)
-    run.mkdir(parents=True, exist_ok=True)
-    folder = checkpoint.latest(run)
-    if folder is not None and not resume:
-        raise ValueError(
-            f"{run} already holds a run: pass --resume to continue it, or another --out"
-        )
+    folder = open_run(run, resume)
 
     torch.manual_seed(cfg.seed)
     model = Transformer(config.model).to(device)
@@ -162,9 +223,12 @@ def train(
         infgram=model.mixture_gate is not None,
         index_dropout=cfg.index_dropout if config.model.index_input else 0.0,
     )
-    (run / "config.json").write_text(
-        json.dumps({"config": config.to_dict(), "index": identity}, indent=1)
-    )
+    record = {"config": config.to_dict(), "index": identity, "precision": precision.to_dict()}
+    fmt.write_atomic(run / RUN_CONFIG, json.dumps(record, indent=1).encode())
+    if progress:
+        print(f"precision {precision.precision}: {precision.reason}", file=sys.stderr)
+    if precision.warning:
+        print(f"warning: {precision.warning}", file=sys.stderr)
 
     saved_step = start if folder is not None else None
 

@@ -1,0 +1,63 @@
+"""Choosing a model's arithmetic for the machine it runs on.
+
+``auto`` is bf16 on a CUDA GPU and on a CPU with native bf16 instructions (AVX512_BF16 or AMX),
+and fp32 on any other CPU, where bf16 matmuls run several times slower than fp32. fp8 and int8
+are explicit choices: fast with fp8 tensor cores, emulated (a correctness path) elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from teralm.kernels.fp8 import has_fp8_matmul
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """The precision to run in, why, and a warning when it will be slow on this machine."""
+
+    precision: str
+    reason: str
+    warning: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"precision": self.precision, "reason": self.reason, "warning": self.warning}
+
+
+def cpu_native_bf16() -> tuple[bool, str]:
+    """Whether this CPU has native bf16 instructions, and what torch reports about it."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    probes = {"AVX512_BF16": "_is_avx512_bf16_supported", "AMX": "_is_amx_tile_supported"}
+    native = [name for name, probe in probes.items() if getattr(torch.cpu, probe, lambda: False)()]
+    if native:
+        return True, f"CPU {capability} with native {' and '.join(native)}"
+    return False, f"CPU {capability} without native bf16 (AVX512_BF16 or AMX)"
+
+
+def choose_precision(requested: str, device: torch.device) -> PrecisionChoice:
+    """Resolve ``requested`` (``auto`` or an explicit precision) for ``device``."""
+    if device.type == "cuda":
+        if requested == "auto":
+            return PrecisionChoice("bf16", "CUDA GPU: bf16 (fp8 is an explicit choice)")
+        if requested == "fp8" and not has_fp8_matmul(device):
+            return PrecisionChoice(
+                "fp8", "requested", "fp8 is emulated on this GPU (no fp8 tensor cores)"
+            )
+        return PrecisionChoice(requested, "requested")
+    native, probe = cpu_native_bf16()
+    if requested == "auto":
+        return PrecisionChoice("bf16" if native else "fp32", probe)
+    if requested == "bf16" and not native:
+        return PrecisionChoice(
+            "bf16",
+            "requested",
+            f"bf16 on a {probe} runs several times slower than fp32 (auto: fp32)",
+        )
+    if requested in ("fp8", "int8"):
+        return PrecisionChoice(
+            requested,
+            "requested",
+            f"{requested} on the CPU is an emulation: a check of the GPU numerics, not fast",
+        )
+    return PrecisionChoice(requested, "requested")
