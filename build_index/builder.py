@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import json
 import multiprocessing as mp
+import os
 import shutil
 import signal
 import sys
@@ -108,11 +109,13 @@ def _check_params(catalog: Catalog, params: dict, out: Path) -> None:
         )
 
 
-def _worker_init() -> None:
+def _worker_init(build_pid: int) -> None:
     """Pool workers die with the build (Linux), and leave Ctrl-C to the parent."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != build_pid:  # the build died before the line above: nobody will read us
+        os._exit(1)
 
 
 def _run_units(fn: Callable, args: Iterable[tuple], workers: int, on_done: Callable) -> None:
@@ -128,7 +131,10 @@ def _run_units(fn: Callable, args: Iterable[tuple], workers: int, on_done: Calla
             on_done(fn(*a))
         return
     pool = ProcessPoolExecutor(
-        min(workers, len(args)), mp_context=mp.get_context("spawn"), initializer=_worker_init
+        min(workers, len(args)),
+        mp_context=mp.get_context("spawn"),
+        initializer=_worker_init,
+        initargs=(os.getpid(),),
     )
     try:
         for future in as_completed([pool.submit(fn, *a) for a in args]):

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lmdb
 import numpy as np
+import psutil
 import pytest
 from conftest import write_jsonl
 from teralm.build_index import BuildConfig, build
@@ -202,3 +205,36 @@ def test_bad_text_names_file_and_line(tmp_path, line, problem, tokenizer):
     config = BuildConfig(str(path), tmp_path / "out", tokenizer=tokenizer, progress=False)
     with pytest.raises(SourceError, match=f"{path}:2: .*{problem}"):
         build(config)
+
+
+KILLED_AT_POOL_START = """
+import os, signal, threading, time
+from teralm.build_index.builder import _run_units
+threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGKILL)).start()
+_run_units(time.sleep, [(60,), (60,)], workers=2, on_done=print)
+"""
+
+
+def test_build_killed_as_its_workers_start_leaves_no_process(tmp_path):
+    """kill -9 of the build before its pool workers are up: the workers must not outlive it
+    (they would wait forever on a queue that nobody writes)."""
+    build = subprocess.Popen([sys.executable, "-c", KILLED_AT_POOL_START], start_new_session=True)
+    build.wait(timeout=60)
+
+    def left() -> list[psutil.Process]:
+        return [p for p in psutil.process_iter() if _group(p) == build.pid]
+
+    deadline = time.monotonic() + 30
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    survivors = left()
+    for p in survivors:
+        p.kill()
+    assert not survivors, [" ".join(p.cmdline())[:80] for p in survivors]
+
+
+def _group(process: psutil.Process) -> int | None:
+    try:
+        return os.getpgid(process.pid) if process.status() != psutil.STATUS_ZOMBIE else None
+    except (ProcessLookupError, psutil.NoSuchProcess):
+        return None
