@@ -342,9 +342,9 @@ def _finalize(
         },
         "bytes_per_token": bytes_per_token,
     }
-    manifest["buckets_sha256"] = verify.sha256_file(out / fmt.BUCKETS)
+    manifest["buckets_sha256"] = fmt.sha256_file(out / fmt.BUCKETS)
     if manifest["tokenizer"] == "bpe":
-        manifest["tokenizer_sha256"] = verify.sha256_file(out / fmt.TOKENIZER)
+        manifest["tokenizer_sha256"] = fmt.sha256_file(out / fmt.TOKENIZER)
     fmt.write_atomic(out / fmt.MANIFEST, json.dumps(manifest, indent=1).encode())
     return manifest
 

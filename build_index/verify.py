@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import lmdb
@@ -14,19 +13,8 @@ from teralm.index.reader import decode_features, open_match
 from teralm.kernels import match as km
 from tqdm import tqdm
 
-CHUNK = 1 << 24
 COMPARE_LIMIT = 4096
 BRUTE_FORCE_WINDOW = 1 << 28  # sampled positions lie in the first 2^28 tokens (memory, time)
-
-
-def sha256_file(path: Path, bar=None) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
-            if bar is not None:
-                bar.update(len(chunk))
-    return digest.hexdigest()
 
 
 def shard_checksums(layout: Layout, progress: bool) -> list[dict]:
@@ -38,7 +26,7 @@ def shard_checksums(layout: Layout, progress: bool) -> list[dict]:
     ) as bar:
         return [
             {
-                kind: {"bytes": p.stat().st_size, "sha256": sha256_file(p, bar)}
+                kind: {"bytes": p.stat().st_size, "sha256": fmt.sha256_file(p, bar)}
                 if p.exists()
                 else None
                 for kind, p in zip(fmt.FILE_KINDS, row)
@@ -53,7 +41,7 @@ def check_checksums(layout: Layout, manifest: dict, progress: bool) -> list[str]
     recorded = {fmt.BUCKETS: manifest["buckets_sha256"]}
     if manifest["tokenizer"] == "bpe":
         recorded[fmt.TOKENIZER] = manifest.get("tokenizer_sha256")
-    actual = {name: sha256_file(directory / name) for name in recorded}
+    actual = {name: fmt.sha256_file(directory / name) for name in recorded}
     for k, files in enumerate(shard_checksums(layout, progress)):
         for kind, record in files.items():
             name = layout.path(k, kind).name

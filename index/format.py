@@ -29,6 +29,7 @@ shard, so a shard is sorted from its own tokens plus that much of the previous s
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterable
@@ -77,6 +78,17 @@ def sort_dtype(token_dtype, separator: int) -> np.dtype:
     if np.dtype(token_dtype).itemsize == 1 and separator < 256:
         return np.dtype("u1")
     return np.dtype("<u2")
+
+
+def sha256_file(path: Path, bar=None) -> str:
+    """The file's sha256 in hex (``bar``, a tqdm bar, counts the bytes read)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+            if bar is not None:
+                bar.update(len(chunk))
+    return digest.hexdigest()
 
 
 def write_atomic(path: Path, data) -> None:

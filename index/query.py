@@ -54,6 +54,18 @@ class Probability:
     backoff_prob: np.ndarray
 
 
+@dataclass
+class Lookup:
+    """One context's longest match (``length`` tokens, ``count`` occurrences), the tokens that
+    follow it with their counts (most frequent first), and documents that hold it."""
+
+    length: int
+    count: int
+    tokens: np.ndarray
+    counts: np.ndarray
+    documents: list[dict]
+
+
 class QueryEngine:
     """Read-only queries over an open Index; safe to use from many processes.
 
@@ -239,11 +251,23 @@ class QueryEngine:
 
     def documents(self, context, k: int = 5) -> list[dict]:
         """Up to ``k`` documents containing the context's longest match: attribution."""
-        ix = self.index
         match = self.longest_match([context])
-        length = int(match.length[0])
+        return self._documents(int(match.length[0]), match.ranges[0], k)
+
+    def lookup(self, context, top_k: int | None = None, sources: int = 5) -> Lookup:
+        """The longest match of one context, what follows it and up to ``sources`` documents
+        holding it, from one search."""
+        summary, ranges, _, rows = self._lookup([context], True, EXACT_LIMIT, top_k)
+        length = int(summary[0, 0])
+        documents = self._documents(length, ranges[0], sources) if length and sources else []
+        return Lookup(length, int(summary[0, 1]), rows[:, 0], rows[:, 1], documents)
+
+    def _documents(self, length: int, ranges: np.ndarray, k: int) -> list[dict]:
+        """Up to ``k`` documents among the occurrences in ``ranges`` (per shard) of a match of
+        ``length`` tokens, with a snippet around it."""
+        ix = self.index
         hits, seen = [], set()
-        for (tokens, _, prefix, _, _, start, _), (lo, hi) in zip(self.shards, match.ranges[0]):
+        for (tokens, _, prefix, _, _, start, _), (lo, hi) in zip(self.shards, ranges):
             for i in range(lo, min(hi, lo + 64 * k)):
                 if prefix[i] >= len(tokens):
                     self._check(kq.PREFIX_OUT_OF_RANGE)

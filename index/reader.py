@@ -104,6 +104,18 @@ class Index:
             raise fmt.damaged(directory, problems[0] + more)
         return cls(directory, manifest)
 
+    def identity(self) -> dict:
+        """What a model trained on this index depends on: its tokens and tokenizer."""
+        m = self.manifest
+        return {
+            "directory": str(self.directory.resolve()),
+            "tokenizer": m["tokenizer"],
+            "tokenizer_sha256": m.get("tokenizer_sha256"),
+            "vocab_size": m["vocab_size"],
+            "num_tokens": m["num_tokens"],
+            "max_match": m["max_match"],
+        }
+
     def encode(self, text: str | bytes) -> np.ndarray:
         return self.tokenizer.encode(text)
 
@@ -168,6 +180,10 @@ class Index:
     def documents(self, context, k: int = 5) -> list[dict]:
         """See ``QueryEngine.documents``."""
         return self.query.documents(context, k)
+
+    def lookup(self, context, top_k: int | None = None, sources: int = 5):
+        """See ``QueryEngine.lookup``."""
+        return self.query.lookup(context, top_k=top_k, sources=sources)
 
     def _match_arrays(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         if k not in self._match:

@@ -25,6 +25,16 @@ class PrecisionChoice:
         return {"precision": self.precision, "reason": self.reason, "warning": self.warning}
 
 
+def default_device() -> torch.device:
+    """The GPU when there is one, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def autocast(device: torch.device, precision: str):
+    """bf16 autocast for every precision but fp32 (fp8/int8 Linear layers quantise inside)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision != "fp32")
+
+
 def cpu_native_bf16() -> tuple[bool, str]:
     """Whether this CPU has native bf16 instructions, and what torch reports about it."""
     capability = torch.backends.cpu.get_cpu_capability()

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from teralm.kernels.fp8 import Fp8Matmul, Int8Matmul
 from teralm.model.config import PRECISIONS, ModelConfig
+from teralm.model.kv_cache import KVCache, LayerCache
 from torch import nn
 
 
@@ -104,40 +105,23 @@ class Attention(nn.Module):
         self.window = cfg.window if cfg.windowed(layer) else None
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        past: tuple[torch.Tensor, torch.Tensor] | None = None,
-        key_pos: torch.Tensor | None = None,
-        query_pos: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """Attention output and this call's keys and values ``[B, H, T, D]`` (for a cache).
-
-        Without positions, ``x`` is one causal sequence per row (training). With them, rows
-        attend to ``past`` keys and values, then to their own: ``key_pos[b]`` gives the position
-        of every key (-1 for padding), ``query_pos[b]`` that of every query."""
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None
+    ) -> torch.Tensor:
+        """Causal self-attention over ``x`` [B, T, C], one sequence per row (training); with a
+        ``cache``, the rows continue cached sequences (generation, see teralm.model.kv_cache)."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
         q = apply_rope(self.q_norm(q), cos, sin)
         k = apply_rope(self.k_norm(k), cos, sin)
-        new = (k, v)
-        if key_pos is None:
-            if self.window is None or self.window >= T:
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            else:
-                i = torch.arange(T, device=x.device)
-                band = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < self.window)
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=band)
+        if cache is not None:
+            y = cache.attend(q, k, v, self.window)
+        elif self.window is None or self.window >= T:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            if past is not None:
-                k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)
-            gap = query_pos[:, :, None] - key_pos[:, None, :]
-            mask = (key_pos[:, None, :] >= 0) & (gap >= 0)
-            if self.window is not None:
-                mask &= gap < self.window
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
-        return self.proj(y.transpose(1, 2).reshape(B, T, C)), new
+            i = torch.arange(T, device=x.device)
+            band = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < self.window)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=band)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
 class MLP(nn.Module):
@@ -167,11 +151,11 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *cache_args):
-        """The block's output, and its attention's new keys and values (see Attention)."""
-        attended, new = self.attn(self.attn_norm(x), cos, sin, *cache_args)
-        x = x + attended
-        return x + self.mlp(self.mlp_norm(x)), new
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache)
+        return x + self.mlp(self.mlp_norm(x))
 
 
 class Transformer(nn.Module):
@@ -215,7 +199,7 @@ class Transformer(nn.Module):
         x = self._embed(tokens, next_token, match_len)
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         for block in self.blocks:
-            x, _ = block(x, cos, sin)
+            x = block(x, cos, sin)
         logits, gate = self._head(x)
         return (logits, gate) if with_gate else logits
 
@@ -224,29 +208,21 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,
         next_token: torch.Tensor,
         match_len: torch.Tensor,
-        past: list[tuple[torch.Tensor, torch.Tensor]] | None,
-        past_len: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Logits and mixture gate logits of ``tokens`` [B, T] that continue cached sequences,
-        and their keys/values.
-
-        ``past[layer]`` holds keys and values ``[B, H, L, D]`` of earlier positions, row ``b``
-        valid for its first ``past_len[b]`` entries (None when nothing is cached)."""
+        cache: KVCache,
+        first: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [B, T, vocab] and mixture gate logits (None without a mixture) of ``tokens``
+        [B, T] that continue the sequences cached in slots ``first .. first + B - 1``; their
+        keys and values are added to the cache."""
         B, T = tokens.shape
-        L = past[0][0].shape[2] if past else 0
-        query_pos = past_len[:, None] + torch.arange(T, device=tokens.device)
-        if int(query_pos.max()) >= self.cfg.max_seq_len:
-            raise ValueError(f"positions beyond max_seq_len {self.cfg.max_seq_len}")
-        slots = torch.arange(L, device=tokens.device).expand(B, L)
-        key_pos = torch.cat((torch.where(slots < past_len[:, None], slots, -1), query_pos), dim=1)
-        cos, sin = self.rope_cos[query_pos][:, None], self.rope_sin[query_pos][:, None]
+        layers = cache.layers(first, T, B)
+        positions = layers[0].positions
+        cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
         x = self._embed(tokens, next_token, match_len)
-        new = []
-        for i, block in enumerate(self.blocks):
-            x, kv = block(x, cos, sin, past[i] if past else None, key_pos, query_pos)
-            new.append(kv)
-        logits, gate = self._head(x)
-        return logits, gate, new
+        for block, layer in zip(self.blocks, layers):
+            x = block(x, cos, sin, layer)
+        cache.lengths[first : first + B] += T
+        return self._head(x)
 
     def gate_logit(self, gate: torch.Tensor, infgram_total: torch.Tensor) -> torch.Tensor:
         """The mixture gate's logit from the hidden state's part (``gate``, from ``forward``)

@@ -140,16 +140,15 @@ def _run_query(args: argparse.Namespace) -> int:
 
 def _print_query(ix: Index, context: np.ndarray, top: int, sources: int) -> None:
     """The longest match of ``context``, its next tokens and the documents that hold it."""
-    match = ix.longest_match([context])
-    length, count = int(match.length[0]), int(match.count[0])
+    found = ix.lookup(context, top_k=top, sources=sources)
+    length, count = found.length, found.count
     matched = ix.decode(context[len(context) - length :]) if length else ""
     print(f"longest match: {length} of {len(context)} tokens, {count:,} occurrences: {matched!r}")
-    tokens, counts = ix.next_token_distribution([context], top_k=top)[0]
-    if len(tokens):
+    if len(found.tokens):
         print("next token      probability   count")
-    for token, n in zip(tokens, counts):
+    for token, n in zip(found.tokens, found.counts):
         print(f"  {ix.decode([int(token)])!r:<14} {n / count:10.3f} {n:8,}")
-    for hit in ix.documents(context, k=sources):
+    for hit in found.documents:
         snippet = " ".join(hit["snippet"].split())
         print(f"[doc {hit['document']}] {hit['source']} @ {hit['offset']}: {snippet[:100]!r}")
 

@@ -21,11 +21,7 @@ def add_parsers(sub) -> None:
     group.add_argument("--config", type=Path, help="TOML file with [model] and [train] tables")
     t.add_argument("--resume", action="store_true", help="continue the run in --out")
     t.add_argument("--no-index-input", action="store_true", help="ablation: no index features")
-    t.add_argument(
-        "--precision",
-        choices=(AUTO, *PRECISIONS),
-        help="auto: bf16 on a GPU or a CPU with native bf16, else fp32",
-    )
+    _add_precision(t)
     t.add_argument("--max-steps", type=int)
     t.add_argument("--max-minutes", type=float)
     t.add_argument("--checkpoint-every", type=int, help="steps between checkpoints")
@@ -38,14 +34,18 @@ def add_parsers(sub) -> None:
     e.add_argument("--max-tokens", type=int, default=100_000, help="held-out targets to score")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.add_argument("--quiet", action="store_true")
+    _add_precision(e)
 
     s = sub.add_parser("sample", help="continue a prompt, with and without the index")
     s.add_argument("run", type=Path)
     s.add_argument("--index", type=Path, required=True)
     s.add_argument("--prompt", default="def ")
     s.add_argument("--tokens", type=int, default=200)
-    s.add_argument("--temperature", type=float, default=0.8)
+    s.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    s.add_argument("--top-k", type=_positive(int), default=40)
+    s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--seed", type=int, default=0)
+    _add_precision(s)
 
     v = sub.add_parser("serve", help="serve a run and its index over HTTP (OpenAI-compatible)")
     v.add_argument("--index", type=Path, required=True)
@@ -66,10 +66,19 @@ def add_parsers(sub) -> None:
         "--max-batch", type=_positive(int), default=16, help="sequences decoded together"
     )
     v.add_argument("--timeout", type=_positive(float), default=120.0, help="seconds per request")
+    _add_precision(v)
 
     x = sub.add_parser("export-fp8", help="write a run's model with fp8 weights")
     x.add_argument("run", type=Path)
     x.add_argument("--out", type=Path, required=True)
+
+
+def _add_precision(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--precision",
+        choices=(AUTO, *PRECISIONS),
+        help="auto: bf16 on a GPU or a CPU with native bf16, else fp32",
+    )
 
 
 def _positive(kind: type) -> Callable[[str], int | float]:
@@ -119,15 +128,25 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load(args: argparse.Namespace, device):
+    """The run's model in the precision asked for (a warning when it will be slow here)."""
+    from teralm.infer.load import load_model
+
+    model, state, choice = load_model(args.run, device, args.precision or "auto")
+    if choice.warning:
+        print(f"warning: {choice.warning}", file=sys.stderr)
+    return model, state
+
+
 def _eval(args: argparse.Namespace) -> int:
     from teralm.index import Index
-    from teralm.train.evaluate import load_model, score, summarize
-    from teralm.train.loop import default_device
+    from teralm.infer.precision import default_device
+    from teralm.train.evaluate import score, summarize
 
     try:
         ix = Index.open(args.index)
         device = default_device()
-        model, state = load_model(args.run, device)
+        model, state = _load(args, device)
         if model.cfg.vocab_size != ix.vocab_size:
             raise ValueError("the run's vocabulary differs from the index's")
         holdout = state["config"]["train"]["holdout_every"]
@@ -149,40 +168,47 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _sample(args: argparse.Namespace) -> int:
-    import torch
-
     from teralm.index import Index
-    from teralm.train.evaluate import load_model
-    from teralm.train.generate import generate
+    from teralm.infer.engine import Engine
+    from teralm.infer.load import check_tokenizer
+    from teralm.infer.precision import default_device
+    from teralm.infer.sampling import Sampling
 
     try:
         ix = Index.open(args.index)
-        model, _ = load_model(args.run, torch.device("cpu"))
+        model, state = _load(args, default_device())
+        check_tokenizer(state, ix)
     except ValueError as e:
         return _fail("sample", str(e))
-    prompt = ix.encode(args.prompt)
-    modes = [True, False] if model.cfg.index_input else [False]
-    for use_index in modes:
-        out = generate(
-            model, ix, prompt, args.tokens, args.temperature, use_index=use_index, seed=args.seed
-        )
-        label = "with the index" if use_index else "without the index"
-        print(f"--- {label} ---\n{args.prompt}{ix.decode(out)}\n")
+    prompt = [int(t) for t in ix.encode(args.prompt)]
+    sampling = Sampling(args.tokens, args.temperature, args.top_p, args.top_k, seed=args.seed)
+    engine = Engine(model, ix, max_batch=1)
+    try:
+        for use_index in [True, False] if model.cfg.index_input else [False]:
+            (out,) = engine.generate([prompt], sampling, use_index)
+            label = "with the index" if use_index else "without the index"
+            print(f"--- {label} ---\n{args.prompt}{ix.decode(out)}\n")
+    except ValueError as e:
+        return _fail("sample", str(e))
+    finally:
+        engine.close()
     return 0
 
 
 def _export(args: argparse.Namespace) -> int:
     import torch
 
-    from teralm.train import checkpoint
-    from teralm.train.evaluate import load_model
+    from teralm.infer.load import load_model
+    from teralm.model import checkpoint
 
+    if checkpoint.is_fp8_export(args.run):
+        return _fail("export-fp8", f"{args.run} is an fp8 export already")
     try:
-        model, state = load_model(args.run, torch.device("cpu"))
+        model, state, _ = load_model(args.run, torch.device("cpu"), "fp32")
     except ValueError as e:
         return _fail("export-fp8", str(e))
     out = checkpoint.export_fp8(model, state, args.out)
-    size = (out / "model-fp8.safetensors").stat().st_size
+    size = (out / checkpoint.EXPORT_WEIGHTS).stat().st_size
     print(f"wrote {out} ({size / 2**20:.1f} MiB for {model.num_parameters():,} parameters)")
     return 0
 
@@ -200,24 +226,16 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from teralm.index import Index
+    from teralm.infer.engine import Engine
+    from teralm.infer.load import check_tokenizer
+    from teralm.infer.precision import default_device
     from teralm.server.app import create_app
-    from teralm.server.engine import Engine
     from teralm.server.protocol import Limits
-    from teralm.train.evaluate import load_model
-    from teralm.train.loop import default_device, index_identity
 
     try:
         ix = Index.open(args.index)
-        device = default_device()
-        model, state = load_model(args.run, device)
-        trained_on = state.get("index") or {}
-        here = index_identity(ix)
-        for field in ("tokenizer", "tokenizer_sha256", "vocab_size"):
-            if trained_on.get(field) != here[field]:
-                raise ValueError(
-                    f"the model was trained with another tokenizer than this index's ({field}: "
-                    f"{trained_on.get(field)!r} vs {here[field]!r})"
-                )
+        model, state = _load(args, default_device())
+        check_tokenizer(state, ix)
     except ValueError as e:
         return _fail("serve", str(e))
     torch.set_num_threads(max(1, torch.get_num_threads()))

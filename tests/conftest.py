@@ -59,9 +59,9 @@ def tiny_run(tmp_path_factory) -> dict:
     """A tiny model trained for 30 steps on a built index, for the server tests: the index, the
     run folder and the model loaded from it."""
     import torch
+    from teralm.infer.load import load_model
     from teralm.model import ModelConfig
     from teralm.train.config import RunConfig, TrainConfig
-    from teralm.train.evaluate import load_model
     from teralm.train.loop import train
 
     base = tmp_path_factory.mktemp("tiny-run")
@@ -72,5 +72,5 @@ def tiny_run(tmp_path_factory) -> dict:
         TrainConfig(batch_size=4, seq_len=32, max_steps=30, warmup_steps=3, holdout_every=10),
     )
     train(ix, config, base / "run", progress=False)
-    model, _ = load_model(base / "run", torch.device("cpu"))
+    model, _, _ = load_model(base / "run", torch.device("cpu"))
     return {"ix": ix, "run": base / "run", "model": model}

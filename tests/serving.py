@@ -11,13 +11,15 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
 import uvicorn
 from teralm.index import Index
+from teralm.index.query import OnlineMatcher
+from teralm.infer.engine import Engine
+from teralm.infer.mixture import infgram_probs, next_token_logp
 from teralm.model import Transformer
 from teralm.server.app import create_app
-from teralm.server.engine import Engine
 from teralm.server.protocol import Limits
-from teralm.train.generate import generate
 
 KEY = "test-key-123"
 
@@ -98,6 +100,23 @@ def wait_until_idle(port: int, seconds: float = 120) -> None:
     raise AssertionError(f"the engine still works after {seconds} s")
 
 
+@torch.no_grad()
 def greedy(model: Transformer, ix: Index, prompt: str, n: int) -> str:
-    """The local greedy continuation the server must reproduce."""
-    return ix.decode(generate(model, ix, ix.encode(prompt), n, temperature=0))
+    """The greedy continuation the server must reproduce, by the plainest route: a full
+    forward of the whole text for every token (no cache), features from the online matcher,
+    and the ∞-gram mixture."""
+    matcher = OnlineMatcher(ix)
+    tokens = [int(t) for t in ix.encode(prompt)]
+    features = matcher.extend(tokens)
+    for _ in range(n):
+        recent, feats = tokens[-model.cfg.max_seq_len :], features[-model.cfg.max_seq_len :]
+        row = lambda xs: torch.tensor([xs])  # noqa: E731
+        logits, gate = model(
+            row(recent), row([f[1] for f in feats]), row([f[0] for f in feats]), with_gate=True
+        )
+        infgram = infgram_probs(ix, [tokens]) if gate is not None else None
+        gate = None if gate is None else gate[0, -1:]
+        token = int(next_token_logp(model, logits[0, -1:], gate, infgram)[0].argmax())
+        tokens.append(token)
+        features.append(matcher.push(token))
+    return ix.decode(tokens[-n:] if n else [])

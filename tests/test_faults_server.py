@@ -15,7 +15,8 @@ import time
 import pytest
 import torch
 from serving import KEY, greedy, metric, request, serve_in_thread, wait_until_idle
-from teralm.server.engine import Sampling, Sequence
+from teralm.infer.engine import Sequence
+from teralm.infer.sampling import Sampling
 from teralm.server.protocol import Limits
 
 MAX_SEQUENCES = 32

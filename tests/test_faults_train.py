@@ -6,7 +6,7 @@ import json
 import shutil
 
 import pytest
-from teralm.train import checkpoint
+from teralm.model import checkpoint
 from test_train import TINY, corpus, run_cli  # noqa: F401 (corpus is a fixture)
 
 CKPT = "ckpt-00000004"

@@ -162,6 +162,19 @@ def test_documents_attribution(corpus):
         assert ix.decode(context[len(context) - length :]) in hit["snippet"]
 
 
+def test_one_lookup_answers_as_the_three_queries(corpus):
+    ix, rng = corpus
+    x, doc_ids = ix.tokens(0, ix.num_tokens), doc_ids_of(ix)
+    for context in random_contexts(rng, x, 20):
+        found = ix.lookup(context, top_k=3, sources=2)
+        length, count, nexts = brute_longest(x, doc_ids, context)
+        assert (found.length, found.count) == (length, count), context
+        tokens, counts = ix.next_token_distribution([context], top_k=3)[0]
+        assert found.tokens.tolist() == tokens.tolist()
+        assert found.counts.tolist() == counts.tolist()
+        assert found.documents == (ix.documents(context, k=2) if length else [])
+
+
 def test_edge_cases(corpus):
     ix, _ = corpus
     empty = ix.longest_match([[]])

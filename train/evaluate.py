@@ -11,28 +11,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 from teralm.index import Index
-from teralm.model import ModelConfig, Transformer
+from teralm.infer.precision import autocast
+from teralm.model import Transformer
 from teralm.model.transformer import index_lm_loss
-from teralm.train import checkpoint
 from teralm.train.data import causal_infgram, fragment, held_out
-from teralm.train.loop import autocast
 from tqdm import tqdm
 
 INFGRAM_EPSILON = 0.01  # the ∞-gram alone mixes in this much of the uniform distribution
 LAMBDAS = np.round(np.arange(0.05, 1.0, 0.05), 2)
-
-
-def load_model(run: Path, device: torch.device) -> tuple[Transformer, dict]:
-    """The run's latest checkpoint (or an fp8 export) as a model in eval mode, and its state."""
-    tensors, state = checkpoint.load_model_weights(run)
-    model = Transformer(ModelConfig.from_dict(state["config"]["model"]))
-    model.load_state_dict(tensors)
-    return model.to(device).eval(), state
 
 
 @dataclass

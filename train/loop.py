@@ -12,10 +12,9 @@ from pathlib import Path
 import torch
 from teralm.index import Index
 from teralm.index import format as fmt
-from teralm.infer import choose_precision
-from teralm.model import Transformer
+from teralm.infer.precision import autocast, choose_precision, default_device
+from teralm.model import Transformer, checkpoint
 from teralm.model.transformer import index_lm_loss
-from teralm.train import checkpoint
 from teralm.train.config import RunConfig, TrainConfig
 from teralm.train.data import FragmentSampler
 from tqdm import tqdm
@@ -24,19 +23,6 @@ METRICS = "metrics.jsonl"
 RUN_CONFIG = "config.json"
 # settings that may change when a run is resumed (its length); anything else must match
 RESUMABLE_CHANGES = {"max_steps", "max_minutes", "checkpoint_every", "log_every"}
-
-
-def index_identity(ix: Index) -> dict:
-    """What a model trained on an index depends on: its tokens and tokenizer."""
-    m = ix.manifest
-    return {
-        "directory": str(ix.directory.resolve()),
-        "tokenizer": m["tokenizer"],
-        "tokenizer_sha256": m.get("tokenizer_sha256"),
-        "vocab_size": m["vocab_size"],
-        "num_tokens": m["num_tokens"],
-        "max_match": m["max_match"],
-    }
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:
@@ -63,15 +49,6 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
         {"params": rest, "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=False)
-
-
-def autocast(device: torch.device, precision: str):
-    """bf16 autocast for every precision but fp32 (fp8/int8 Linear layers quantise inside)."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision != "fp32")
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @dataclass
@@ -198,7 +175,7 @@ def train(
     config.model.precision = precision.precision
     config.model.vocab_size, config.model.max_match = ix.vocab_size, ix.max_match
     config.model.max_seq_len = max(config.model.max_seq_len, cfg.seq_len)
-    identity = index_identity(ix)
+    identity = ix.identity()
     folder = open_run(run, resume)
 
     torch.manual_seed(cfg.seed)

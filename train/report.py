@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from teralm.train import checkpoint
+from teralm.model import checkpoint
 from teralm.train.loop import METRICS, TrainResult
 
 

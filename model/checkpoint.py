@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from teralm.build_index.verify import sha256_file
 from teralm.index import format as fmt
 from teralm.kernels.fp8 import E4M3, quantize_fp8
 
@@ -86,7 +85,7 @@ def save(run: Path, step: int, model: torch.nn.Module, optimizer, state: dict) -
     opt_tensors["torch_rng"] = torch.get_rng_state()
     save_file(opt_tensors, tmp / "optimizer.safetensors")
     files = {
-        name: sha256_file(tmp / name) for name in ("model.safetensors", "optimizer.safetensors")
+        name: fmt.sha256_file(tmp / name) for name in ("model.safetensors", "optimizer.safetensors")
     }
     record = {**state, "step": step, "optimizer": opt_rest, "files": files}
     (tmp / "state.json").write_text(json.dumps(record, indent=1))
@@ -132,7 +131,7 @@ def load(folder: Path, optimizer: bool = True) -> tuple[dict, dict, dict]:
         raise ValueError(f"{path} is damaged (missing or wrong: {', '.join(bad)}); {advice}")
     for name in WEIGHT_FILES:
         file = folder / name
-        if not file.exists() or sha256_file(file) != state["files"][name]:
+        if not file.exists() or fmt.sha256_file(file) != state["files"][name]:
             raise ValueError(f"checkpoint file {file} is missing, truncated or damaged")
     try:
         model = load_file(folder / "model.safetensors")
@@ -142,11 +141,18 @@ def load(folder: Path, optimizer: bool = True) -> tuple[dict, dict, dict]:
     return model, moments, state
 
 
-def load_model_weights(path: Path) -> tuple[dict, dict]:
-    """Weights and config of a checkpoint folder or an fp8 export: ``(tensors, state)``.
+EXPORT = "export.json"
+EXPORT_WEIGHTS = "model-fp8.safetensors"
 
-    fp8 exports hold ``NAME`` in e4m3 with ``NAME.scale``; they come back dequantised to fp32.
-    """
+
+def is_fp8_export(path: Path) -> bool:
+    return (Path(path) / EXPORT).exists()
+
+
+def load_model_weights(path: Path) -> tuple[dict, dict]:
+    """Weights and config of a run (its latest checkpoint), a checkpoint folder or an fp8 export:
+    ``(tensors, state)``. An fp8 export's matrices come as stored: ``NAME`` in e4m3 beside its
+    ``NAME.scale`` (``value = NAME / NAME.scale``)."""
     path = Path(path)
     if (path / LATEST).exists():
         path = latest(path)
@@ -154,16 +160,10 @@ def load_model_weights(path: Path) -> tuple[dict, dict]:
         tensors, _, state = load(path, optimizer=False)
         return tensors, state
     try:
-        state = json.loads((path / "export.json").read_text())
-        raw = load_file(path / "model-fp8.safetensors")
+        state = json.loads((path / EXPORT).read_text())
+        tensors = load_file(path / EXPORT_WEIGHTS)
     except (OSError, ValueError, SafetensorError) as e:
         raise ValueError(f"{path} is neither a run, a checkpoint nor an fp8 export ({e})") from None
-    tensors = {}
-    for name, value in raw.items():
-        if name.endswith(".scale"):
-            continue
-        scale = raw.get(f"{name}.scale")
-        tensors[name] = value.float() / scale if scale is not None else value.float()
     return tensors, state
 
 
@@ -185,11 +185,11 @@ def export_fp8(model: torch.nn.Module, state: dict, out: Path) -> Path:
             q, scale = quantize_fp8(value, E4M3)
         tensors[name] = q.contiguous()
         tensors[f"{name}.scale"] = (scale if scale.numel() > 1 else scale.reshape(1)).contiguous()
-    tmp = out / "model-fp8.safetensors.tmp"
+    tmp = out / f"{EXPORT_WEIGHTS}.tmp"
     save_file(tensors, tmp)
-    os.replace(tmp, out / "model-fp8.safetensors")
+    os.replace(tmp, out / EXPORT_WEIGHTS)
     fmt.write_atomic(
-        out / "export.json",
+        out / EXPORT,
         json.dumps({"config": state["config"], "index": state.get("index")}).encode(),
     )
     return out

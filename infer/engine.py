@@ -1,12 +1,15 @@
-"""The generation engine: one model and one index shared by every request.
+"""The generation engine: one model and one index shared by every sequence.
 
-A worker thread owns the model. Each loop it admits waiting sequences (one prefill each, taking
-requests in turn), samples one token for every active sequence, looks each new token up in the
-index (the online matcher, so the model sees the features it was trained with), then runs one
-batched decode step over all active sequences with their KV caches padded to a common length.
-Requests talk to it through ``Sequence`` objects: events come back through a callback, and
-``cancel()`` stops one. Work on one sequence that fails ends that sequence alone, with an error
-event; a failed batched step ends the sequences in it.
+A worker thread owns the model and a KV cache preallocated for ``max_batch`` sequences; running
+sequence ``i`` lives in cache slot ``i`` (a finished one's slot goes to the last running
+sequence). Each loop the engine admits waiting sequences (one prefill each, taking requests in
+turn), samples one token for every running sequence, looks it up in the index (the online
+matcher, so the model sees the features it was trained with), then runs one batched forward of
+the new tokens with one batched ∞-gram query. A sequence whose context reached ``max_seq_len``
+restarts its cache from the second half of its context. Callers talk to the engine through
+``Sequence`` objects: events come back through a callback, ``cancel()`` stops one. Work on one
+sequence that fails ends that sequence alone, with an error event; a failed batched step ends
+the sequences in it.
 """
 
 from __future__ import annotations
@@ -22,23 +25,13 @@ import torch
 import torch.nn.functional as F
 from teralm.index import Index
 from teralm.index.query import OnlineMatcher
+from teralm.infer.mixture import infgram_probs, next_token_logp
+from teralm.infer.precision import autocast
+from teralm.infer.sampling import Sampling, sample_token
 from teralm.model import Transformer
-from teralm.train.generate import infgram_probs, next_token_logp
-from teralm.train.loop import autocast
+from teralm.model.kv_cache import KVCache
 
-log = logging.getLogger("teralm.server")
-GREEDY_BELOW = 1e-6  # temperatures under this pick the most likely token
-
-
-@dataclass
-class Sampling:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    logprobs: int | None = None
-    echo: bool = False
-    seed: int | None = None
+log = logging.getLogger("teralm.engine")
 
 
 @dataclass
@@ -57,17 +50,20 @@ class TokenEvent:
 
 @dataclass
 class Sequence:
+    """A prompt to continue. Without ``use_index`` the model sees "no match" everywhere and no
+    ∞-gram is mixed in (the ablation)."""
+
     prompt: list[int]
     sampling: Sampling
     on_event: Callable[[TokenEvent], None]
+    use_index: bool = True
     tokens: list[int] = field(default_factory=list)
     features: list[tuple[int, int]] = field(default_factory=list)
     generated: int = 0
     cancelled: bool = False
     done: bool = False
-    cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer, [H, L, D]
-    cache_start: int = 0  # the token the cache's first entry belongs to
-    logits: torch.Tensor | None = None  # for the next token
+    cache_start: int = 0  # the token the first cached entry belongs to
+    logits: torch.Tensor | None = None  # log-probabilities of the next token
     matcher: OnlineMatcher | None = None
     generator: torch.Generator | None = None
 
@@ -110,25 +106,6 @@ class WaitingRoom:
             return seq
 
 
-def sample_token(logp: torch.Tensor, s: Sampling, generator: torch.Generator) -> int:
-    """Draw the next token from log-probabilities [vocab] with ``s``'s temperature, top-k and
-    top-p. Safe for any temperature >= 0 and top_p > 0: tiny temperatures are greedy, and top-p
-    always keeps the most likely token."""
-    if s.temperature < GREEDY_BELOW:
-        return int(logp.argmax())
-    scaled = (logp - logp.max()) / s.temperature  # the best token at 0: nothing overflows
-    if s.top_k:
-        cutoff = torch.topk(scaled, min(s.top_k, scaled.shape[0])).values[-1]
-        scaled = scaled.masked_fill(scaled < cutoff, float("-inf"))
-    if s.top_p < 1.0:
-        order = torch.argsort(scaled, descending=True)
-        probs = torch.softmax(scaled[order], dim=-1)
-        drop = probs.cumsum(0) - probs >= s.top_p  # the mass of the tokens before each one
-        drop[0] = False
-        scaled[order[drop]] = float("-inf")
-    return int(torch.multinomial(torch.softmax(scaled, -1), 1, generator=generator))
-
-
 @dataclass
 class EngineStats:
     tokens: int = 0
@@ -141,10 +118,13 @@ class Engine:
     def __init__(self, model: Transformer, index: Index, max_batch: int = 16):
         self.model = model.eval()
         self.index = index
-        self.device = next(model.parameters()).device
+        self.device = next(model.buffers()).device
+        self.precision = model.cfg.precision
+        dtype = torch.float32 if self.precision == "fp32" else torch.bfloat16
+        self.cache = KVCache(model.cfg, max_batch, self.device, dtype)
         self.max_batch = max_batch
         self.waiting = WaitingRoom()
-        self.active: list[Sequence] = []
+        self.active: list[Sequence] = []  # active[i] is cached in slot i
         self.stats = EngineStats()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="teralm-engine", daemon=True)
@@ -158,6 +138,33 @@ class Engine:
         """Queue one request's sequences; requests take turns for places in the batch."""
         self.waiting.put(seqs)
 
+    def generate(self, prompts: list[list[int]], sampling: Sampling, use_index: bool = True):
+        """Continue every prompt (blocking): the generated tokens of each; ValueError if one
+        failed."""
+        outputs: list[list[int]] = [[] for _ in prompts]
+        errors: list[str] = []
+        finished = threading.Semaphore(0)
+
+        def collector(out: list[int]) -> Callable[[TokenEvent], None]:
+            def on_event(event: TokenEvent) -> None:
+                if event.token is not None and not event.prompt:
+                    out.append(event.token)
+                if event.error:
+                    errors.append(event.error)
+                if event.finish:
+                    finished.release()
+
+            return on_event
+
+        self.submit(
+            [Sequence(list(p), sampling, collector(o), use_index) for p, o in zip(prompts, outputs)]
+        )
+        for _ in prompts:
+            finished.acquire()
+        if errors:
+            raise ValueError(errors[0])
+        return outputs
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
@@ -169,10 +176,10 @@ class Engine:
         while not self._stop.is_set():
             self._admit()
             for seq in self.active:
-                self._try(self._sample, seq)
-            self.active = [s for s in self.active if not (s.done or s.cancelled)]
+                self._try(seq, self._sample)
+            self._retire()
             if self.active:
-                self._decode(self.active)
+                self._decode()
 
     def _admit(self) -> None:
         while len(self.active) < self.max_batch:
@@ -181,15 +188,28 @@ class Engine:
                 return
             if seq.cancelled:
                 continue
-            self._try(self._prefill, seq)
+            slot = len(self.active)
+            self._try(seq, self._prefill, slot)
             if not seq.done:  # done already: it failed, or has max_tokens 0
                 self.active.append(seq)
 
-    def _try(self, work: Callable[[Sequence], None], seq: Sequence) -> None:
-        """``work`` on one sequence; if it raises, that sequence ends with an error event and
-        the others go on."""
+    def _retire(self) -> None:
+        """Drop finished sequences; the last running one takes a freed slot."""
+        i = 0
+        while i < len(self.active):
+            if not (self.active[i].done or self.active[i].cancelled):
+                i += 1
+                continue
+            last = self.active.pop()
+            if i < len(self.active):
+                self.cache.move(len(self.active), i)
+                self.active[i] = last
+
+    def _try(self, seq: Sequence, work: Callable, *args) -> None:
+        """``work(seq, *args)``; if it raises, that sequence ends with an error event and the
+        others go on."""
         try:
-            work(seq)
+            work(seq, *args)
         except Exception as e:
             self._fail(seq, e)
 
@@ -199,58 +219,62 @@ class Engine:
         seq.on_event(TokenEvent(None, finish="error", error=str(error) or type(error).__name__))
 
     def _features(self, seq: Sequence, token: int) -> tuple[int, int]:
+        if not seq.use_index:
+            return 0, self.index.no_token
         began = time.perf_counter()
         features = seq.matcher.push(token)
         self.stats.lookup_s += time.perf_counter() - began
         return features
 
-    def _prefill(self, seq: Sequence) -> None:
+    def _prefill(self, seq: Sequence, slot: int) -> None:
         seq.matcher = OnlineMatcher(self.index)
-        seq.generator = torch.Generator().manual_seed(
-            seq.sampling.seed if seq.sampling.seed is not None else int(time.time_ns() % 2**62)
-        )
+        seq.generator = seq.sampling.generator()
         seq.tokens = list(seq.prompt)
         seq.features = [self._features(seq, t) for t in seq.prompt]
         self.stats.prompt_tokens += len(seq.prompt)
-        window = self.model.cfg.max_seq_len
-        start = max(0, len(seq.tokens) - window)
-        logits, gate = self._forward_fresh(seq, start)
+        start = max(0, len(seq.tokens) - self.model.cfg.max_seq_len)
+        logits, gate = self._forward(seq, slot, start, len(seq.tokens))
+        seq.logits = self._logp(
+            [seq], [seq.tokens], logits[-1:], None if gate is None else gate[-1:]
+        )[0]
         if seq.sampling.echo:
             contexts = [seq.tokens[: start + i + 1] for i in range(logits.shape[0] - 1)]
-            self._echo(seq, self._logp(contexts, logits[:-1], None if gate is None else gate[:-1]))
+            rows = [seq] * len(contexts)
+            self._echo(
+                seq, self._logp(rows, contexts, logits[:-1], None if gate is None else gate[:-1])
+            )
         if seq.sampling.max_tokens == 0:
             seq.done = True
             seq.on_event(TokenEvent(None, finish="length"))
 
-    def _forward_fresh(self, seq: Sequence, start: int) -> torch.Tensor:
-        """Run ``tokens[start:]`` from an empty cache; keep the cache and the last logits."""
-        tokens = seq.tokens[start:]
-        feats = seq.features[start:]
+    def _forward(self, seq: Sequence, slot: int, start: int, stop: int):
+        """Cache ``tokens[start:stop]`` afresh in ``slot``: their logits [T, vocab] and gate
+        logits [T] (or None)."""
         as_row = lambda xs: torch.tensor([xs], dtype=torch.long, device=self.device)  # noqa: E731
+        features = seq.features[start:stop]
+        self.cache.lengths[slot] = 0
+        seq.cache_start = start
         began = time.perf_counter()
-        with autocast(self.device, self.model.cfg.precision):
-            logits, gate, kv = self.model.decode(
-                as_row(tokens),
-                as_row([f[1] for f in feats]),
-                as_row([f[0] for f in feats]),
-                None,
-                torch.zeros(1, dtype=torch.long, device=self.device),
+        with autocast(self.device, self.precision):
+            logits, gate = self.model.decode(
+                as_row(seq.tokens[start:stop]),
+                as_row([f[1] for f in features]),
+                as_row([f[0] for f in features]),
+                self.cache,
+                first=slot,
             )
         self.stats.model_s += time.perf_counter() - began
-        seq.cache = [(k[0], v[0]) for k, v in kv]
-        seq.cache_start = start
-        seq.logits = self._logp(
-            [seq.tokens], logits[0, -1:], None if gate is None else gate[0, -1:]
-        )[0]
         return logits[0].float(), None if gate is None else gate[0]
 
-    def _logp(self, contexts: list[list[int]], logits: torch.Tensor, gate) -> torch.Tensor:
-        """Next-token log-probabilities after each context, mixed with the ∞-gram's when the
-        model has a mixture (the ∞-gram query is timed as index lookup)."""
+    def _logp(self, seqs: list[Sequence], contexts: list[list[int]], logits, gate) -> torch.Tensor:
+        """Next-token log-probabilities after each context (row ``b`` of ``seqs[b]``), mixed
+        with the ∞-gram's for sequences that use the index (one query, timed as lookup)."""
         infgram = None
-        if gate is not None:
+        if gate is not None and any(s.use_index for s in seqs):
             began = time.perf_counter()
-            infgram = infgram_probs(self.index, contexts)
+            probs, totals = infgram_probs(self.index, contexts)
+            totals[torch.tensor([not s.use_index for s in seqs])] = 0
+            infgram = probs, totals
             self.stats.lookup_s += time.perf_counter() - began
         return next_token_logp(self.model, logits, gate, infgram)
 
@@ -290,54 +314,36 @@ class Engine:
         if not seq.done and not seq.cancelled:
             seq.features.append(self._features(seq, token))
 
-    def _decode(self, seqs: list[Sequence]) -> None:
-        """One step for every sequence: a fresh forward of its second half when its context is
-        full, else the batched step."""
+    def _decode(self) -> None:
+        """One batched step: every running sequence's newest token against its cache. A cache
+        that is full first restarts from the second half of its sequence's context."""
         window = self.model.cfg.max_seq_len
-        ready = []
-        for seq in seqs:
-            if len(seq.tokens) - seq.cache_start > window:
-                self._try(lambda s: self._forward_fresh(s, len(s.tokens) - window // 2), seq)
-            else:
-                ready.append(seq)
-        if not ready:
+        for slot, seq in enumerate(self.active):
+            if int(self.cache.lengths[slot]) == window:
+                stop = len(seq.tokens) - 1
+                self._try(seq, self._forward, slot, stop - window // 2, stop)
+        self._retire()  # those whose restart failed
+        if not self.active:
             return
         try:
-            self._step(ready)
+            self._step(self.active)
         except Exception as e:  # the batched forward is the server's fault: it ends the batch
-            for seq in ready:
+            for seq in self.active:
                 self._fail(seq, e)
 
-    def _step(self, ready: list[Sequence]) -> None:
-        """The last token of every sequence against its cache, in one batch."""
-        lengths = [s.cache[0][0].shape[1] for s in ready]
-        longest = max(lengths)
-        past = []
-        for layer in range(len(self.model.blocks)):
-            keys, values = [], []
-            for s in ready:
-                k, v = s.cache[layer]
-                pad = longest - k.shape[1]
-                keys.append(F.pad(k, (0, 0, 0, pad)))
-                values.append(F.pad(v, (0, 0, 0, pad)))
-            past.append((torch.stack(keys), torch.stack(values)))
+    def _step(self, seqs: list[Sequence]) -> None:
         column = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)[:, None]  # noqa: E731
         began = time.perf_counter()
-        with autocast(self.device, self.model.cfg.precision):
-            logits, gate, new = self.model.decode(
-                column([s.tokens[-1] for s in ready]),
-                column([s.features[-1][1] for s in ready]),
-                column([s.features[-1][0] for s in ready]),
-                past,
-                torch.tensor(lengths, device=self.device),
+        with autocast(self.device, self.precision):
+            logits, gate = self.model.decode(
+                column([s.tokens[-1] for s in seqs]),
+                column([s.features[-1][1] for s in seqs]),
+                column([s.features[-1][0] for s in seqs]),
+                self.cache,
             )
         self.stats.model_s += time.perf_counter() - began
         logp = self._logp(
-            [s.tokens for s in ready], logits[:, -1], None if gate is None else gate[:, -1]
+            seqs, [s.tokens for s in seqs], logits[:, -1], None if gate is None else gate[:, -1]
         )
-        for b, s in enumerate(ready):
-            s.cache = [
-                (torch.cat((k, nk[b]), dim=1), torch.cat((v, nv[b]), dim=1))
-                for (k, v), (nk, nv) in zip(s.cache, new)
-            ]
-            s.logits = logp[b]
+        for seq, row in zip(seqs, logp):
+            seq.logits = row

@@ -1,0 +1,72 @@
+"""teralm.infer: `teralm sample` and the server agree, and an fp8 export is served from its
+e4m3 bytes with the numbers of its dequantised weights."""
+
+from __future__ import annotations
+
+import torch
+from serving import greedy, request, serve_in_thread
+from teralm.infer.fp8 import Fp8Embedding, Fp8Linear
+from teralm.infer.load import load_model
+from teralm.model import ModelConfig, Transformer, checkpoint
+from teralm.model.transformer import Linear
+from test_cli import run_cli
+from torch import nn
+
+PROMPT = "abcab"
+
+
+def test_sample_and_server_give_the_same_greedy_completion(tiny_run):
+    ix, run = tiny_run["ix"], tiny_run["run"]
+    sampled = run_cli(
+        "sample", run, "--index", ix.directory, "--prompt", PROMPT, "--tokens", 24,
+        "--temperature", 0,
+    )  # fmt: skip
+    assert sampled.returncode == 0, sampled.stderr
+    with_index = sampled.stdout.split("--- with the index ---\n")[1].split("\n--- without")[0]
+    with serve_in_thread(tiny_run["model"], ix) as server:
+        body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+        code, answer = request(server["port"], "POST", "/v1/completions", body)
+    assert code == 200, answer
+    assert with_index == PROMPT + answer["choices"][0]["text"] + "\n"
+    assert answer["choices"][0]["text"] == greedy(tiny_run["model"], ix, PROMPT, 24)
+
+
+def dequantised(export) -> Transformer:
+    """The plain fp32 model of an fp8 export: every matrix as ``q / scale``."""
+    tensors, state = checkpoint.load_model_weights(export)
+    plain = {
+        name: value.float() / tensors[f"{name}.scale"] if f"{name}.scale" in tensors else value
+        for name, value in tensors.items()
+        if not name.endswith(".scale")
+    }
+    model = Transformer(ModelConfig.from_dict({**state["config"]["model"], "precision": "fp32"}))
+    model.load_state_dict(plain)
+    return model.eval()
+
+
+def test_fp8_export_is_served_from_one_byte_per_parameter(tiny_run, tmp_path):
+    ix, export = tiny_run["ix"], tmp_path / "fp8"
+    assert run_cli("export-fp8", tiny_run["run"], "--out", export).returncode == 0
+    model, _, _ = load_model(export, torch.device("cpu"), "fp32")
+    reference = dequantised(export)
+
+    matrices = [m for m in reference.modules() if isinstance(m, (Linear, nn.Linear, nn.Embedding))]
+    twins = [m for m in model.modules() if isinstance(m, (Fp8Linear, Fp8Embedding))]
+    assert len(twins) == len(matrices)
+    assert all(t.q.dtype == torch.float8_e4m3fn for t in twins)
+    assert not [n for n, p in model.named_parameters() if p.ndim == 2]  # no full matrix kept
+    stored = sum(t.q.numel() * t.q.element_size() for t in twins)
+    assert stored == sum(m.weight.numel() for m in matrices)  # one byte per parameter
+
+    tokens = torch.tensor([[int(t) for t in ix.encode("abcabcaab")]])
+    features = torch.randint(0, 3, tokens.shape), torch.randint(0, 5, tokens.shape)
+    with torch.no_grad():
+        got, want = model(tokens, *features, True), reference(tokens, *features, True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+    with serve_in_thread(model, ix) as server:
+        body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0}
+        code, answer = request(server["port"], "POST", "/v1/completions", body)
+    assert code == 200, answer
+    assert answer["choices"][0]["text"] == greedy(reference, ix, PROMPT, 16)
