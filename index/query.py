@@ -334,6 +334,14 @@ class OnlineMatcher:
         self.witness = -1
 
     def push(self, token: int) -> tuple[int, int]:
+        return push_all([self], [token])[0]
+
+    def extend(self, tokens) -> list[tuple[int, int]]:
+        return [self.push(int(t)) for t in tokens]
+
+    def _advance(self, token: int) -> tuple[int, int] | None:
+        """Take ``token``; its features when the previous match continues (O(1)), else None:
+        a search is needed."""
         ix = self.engine.index
         if not 0 <= token < ix.vocab_size:
             raise ValueError(f"token {token} is outside the vocabulary 0..{ix.vocab_size - 1}")
@@ -347,10 +355,14 @@ class OnlineMatcher:
             if follower is not None:
                 self.witness = s + 1
                 return self.length, follower
-        return self._search()
+        return None
 
-    def extend(self, tokens) -> list[tuple[int, int]]:
-        return [self.push(int(t)) for t in tokens]
+    def _found(self, length: int, witness: int) -> tuple[int, int]:
+        """Features from a fresh search's longest match and one of its occurrences."""
+        self.length, self.witness = length, witness
+        if witness < 0:
+            return length, self.engine.index.no_token
+        return length, self._follower(witness)
 
     def _follower(self, p: int) -> int | None:
         ix = self.engine.index
@@ -358,10 +370,16 @@ class OnlineMatcher:
             return None
         return ix.stream.token_at(p + 1)
 
-    def _search(self) -> tuple[int, int]:
-        e = self.engine
-        summary, _, _, _ = e._lookup([self.text[-self.max_len :]], False, 0, None)
-        self.length, self.witness = int(summary[0, 0]), int(summary[0, 3])
-        if self.witness < 0:
-            return self.length, e.index.no_token
-        return self.length, self._follower(self.witness)
+
+def push_all(matchers: list[OnlineMatcher], tokens: list[int]) -> list[tuple[int, int]]:
+    """``push`` one token to each matcher (all of one index), with one search for all those
+    whose match does not simply continue."""
+    features = [m._advance(int(t)) for m, t in zip(matchers, tokens)]
+    searching = [i for i, f in enumerate(features) if f is None]
+    if searching:
+        engine = matchers[searching[0]].engine
+        contexts = [matchers[i].text[-matchers[i].max_len :] for i in searching]
+        summary, _, _, _ = engine._lookup(contexts, False, 0, None)
+        for row, i in enumerate(searching):
+            features[i] = matchers[i]._found(int(summary[row, 0]), int(summary[row, 3]))
+    return features

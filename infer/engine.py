@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from teralm.index import Index
-from teralm.index.query import OnlineMatcher
+from teralm.index.query import OnlineMatcher, push_all
 from teralm.infer.mixture import infgram_probs, next_token_logp
 from teralm.infer.precision import autocast
 from teralm.infer.sampling import Sampling, sample_token
@@ -178,6 +178,7 @@ class Engine:
             for seq in self.active:
                 self._try(seq, self._sample)
             self._retire()
+            self._look_up(self.active)
             if self.active:
                 self._decode()
 
@@ -218,19 +219,36 @@ class Engine:
         seq.done = True
         seq.on_event(TokenEvent(None, finish="error", error=str(error) or type(error).__name__))
 
-    def _features(self, seq: Sequence, token: int) -> tuple[int, int]:
-        if not seq.use_index:
-            return 0, self.index.no_token
+    def _look_up(self, seqs: list[Sequence]) -> None:
+        """The index features of every sequence's newest token, from one batched search."""
+        using = [s for s in seqs if s.use_index]
+        for seq in seqs:
+            if not seq.use_index:
+                seq.features.append((0, self.index.no_token))
+        if not using:
+            return
         began = time.perf_counter()
-        features = seq.matcher.push(token)
+        try:
+            found = push_all([s.matcher for s in using], [s.tokens[-1] for s in using])
+        except Exception as e:
+            for seq in using:
+                self._fail(seq, e)
+            self._retire()
+            return
+        for seq, features in zip(using, found):
+            seq.features.append(features)
         self.stats.lookup_s += time.perf_counter() - began
-        return features
 
     def _prefill(self, seq: Sequence, slot: int) -> None:
         seq.matcher = OnlineMatcher(self.index)
         seq.generator = seq.sampling.generator()
         seq.tokens = list(seq.prompt)
-        seq.features = [self._features(seq, t) for t in seq.prompt]
+        if seq.use_index:
+            began = time.perf_counter()
+            seq.features = seq.matcher.extend(seq.prompt)
+            self.stats.lookup_s += time.perf_counter() - began
+        else:
+            seq.features = [(0, self.index.no_token)] * len(seq.prompt)
         self.stats.prompt_tokens += len(seq.prompt)
         start = max(0, len(seq.tokens) - self.model.cfg.max_seq_len)
         logits, gate = self._forward(seq, slot, start, len(seq.tokens))
@@ -311,8 +329,6 @@ class Engine:
         event = TokenEvent(token, float(logp[token]), self._top(seq, logp), finish=finish)
         seq.done = finish is not None
         seq.on_event(event)
-        if not seq.done and not seq.cancelled:
-            seq.features.append(self._features(seq, token))
 
     def _decode(self) -> None:
         """One batched step: every running sequence's newest token against its cache. A cache

@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 from conftest import build_docs, random_documents
-from teralm.index.query import OnlineMatcher
+from teralm.index.query import OnlineMatcher, push_all
 from test_features import doc_ids_of
 
 
@@ -135,6 +135,22 @@ def test_online_matcher_equals_brute_force_step_by_step(corpus):
             ends = occurrences(x, doc_ids, prefix[len(prefix) - want :]) if want else []
             valid = {int(x[p + 1]) for p in ends if has_follower(doc_ids, p)}
             assert (nxt in valid) if valid else nxt == ix.no_token
+
+
+def test_matchers_pushed_together_equal_one_by_one(corpus):
+    """push_all (one search for every matcher that needs one) = each matcher's own push."""
+    ix, rng = corpus
+    x = ix.tokens(0, ix.num_tokens)
+    texts = []
+    for _ in range(5):
+        a = int(rng.integers(0, len(x) - 1))
+        texts.append([int(t) for t in x[a : a + 30]] + rng.integers(97, 100, size=10).tolist())
+    together = [OnlineMatcher(ix, max_len=12) for _ in texts]
+    alone = [OnlineMatcher(ix, max_len=12) for _ in texts]
+    for step in range(min(map(len, texts))):
+        tokens = [t[step] for t in texts]
+        lengths = [f[0] for f in push_all(together, tokens)]
+        assert lengths == [m.push(t)[0] for m, t in zip(alone, tokens)]
 
 
 def test_online_matcher_agrees_with_stored_features(corpus):
