@@ -1,33 +1,66 @@
-"""The FastAPI application: OpenAI-compatible completions, index lookups, health, metrics and
-the playground page. ``create_app`` takes a running Engine; ``teralm serve`` builds both."""
+"""The FastAPI application: OpenAI-compatible completions, vLLM-style tokenizer routes, index
+lookups, health, Prometheus metrics and the playground page.
+
+``CompletionService`` does the work over one running Engine; the routes only hand it their
+request. ``create_app`` puts the two together; ``teralm serve`` builds the Engine.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator
 from importlib import resources
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import (
+    HTMLResponse,
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from teralm.server.engine import Engine, Sampling, Sequence, TokenEvent
-from teralm.server.guard import Guard, RequestMetrics
+from teralm.infer.engine import Engine, Sequence, TokenEvent
+from teralm.infer.sampling import Sampling
+from teralm.server.guard import Guard, RequestMetrics, api_key_check
 from teralm.server.protocol import (
+    ApiError,
+    Completion,
+    CompletionChoice,
+    CompletionChunk,
     CompletionRequest,
+    Continuation,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
+    Health,
     Limits,
+    Logprobs,
+    LongestMatch,
     LookupRequest,
+    LookupResponse,
+    ModelCard,
+    ModelList,
+    Source,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenizerInfo,
+    Usage,
     completion_id,
-    error_body,
+    error_response,
     now,
 )
-from teralm.server.text import TextStream, token_text
+from teralm.server.text import TextStream, token_bytes, token_texts
 
 log = logging.getLogger("teralm.server")
 ERRORS = {  # as the OpenAPI document shows them: any route may answer these
@@ -43,243 +76,10 @@ JSON_ERRORS = {  # for routes that answer text or HTML: their errors are JSON al
 }
 STREAMED = {
     200: {
-        "description": "The completion, or with stream: server-sent events",
+        "description": "The completion, or with stream: server-sent events of CompletionChunk",
         "content": {"text/event-stream": {}},
     }
 }
-
-
-class ApiError(Exception):
-    """An error answered with an OpenAI error object: the client's (4xx) or the server's (5xx)."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None):
-        super().__init__(message)
-        self.status, self.param = status, param
-        self.kind = "server_error" if status >= 500 else "invalid_request_error"
-
-    def body(self) -> dict:
-        return error_body(str(self), self.kind, self.param)
-
-
-def create_app(
-    engine: Engine, model_name: str, limits: Limits | None = None, api_key: str | None = None
-) -> FastAPI:
-    limits = limits or Limits()
-    app = FastAPI(title="teralm", docs_url=None, redoc_url=None, responses=ERRORS)
-    metrics = RequestMetrics()
-    app.add_middleware(
-        Guard, metrics=metrics, api_key=api_key, max_body_bytes=limits.max_body_bytes
-    )
-    ix = engine.index
-    byte_level = ix.manifest["tokenizer"] == "bytes"
-
-    decode = ix.decode
-
-    @app.exception_handler(ApiError)
-    async def api_error(_, exc: ApiError):
-        return JSONResponse(exc.body(), exc.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_, exc: RequestValidationError):
-        errors = exc.errors()  # a union's alternatives each add one: a value error says most
-        first = next((e for e in errors if e["type"] == "value_error"), errors[0] if errors else {})
-        if first.get("type") == "json_invalid":
-            reason = first.get("ctx", {}).get("error", "")
-            return JSONResponse(error_body(f"the request body is not valid JSON ({reason})"), 400)
-        where = ".".join(str(p) for p in first.get("loc", ())[1:2]) or None  # the field
-        return JSONResponse(
-            error_body(f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where),
-            400,
-        )
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_, exc: StarletteHTTPException):
-        return JSONResponse(
-            error_body(str(exc.detail), code=str(exc.status_code)),
-            exc.status_code,
-            headers=exc.headers,  # a 405's Allow
-        )
-
-    @app.exception_handler(Exception)
-    async def internal(_, exc: Exception):
-        log.error("internal error", exc_info=exc)
-        return JSONResponse(error_body("internal error", "server_error"), 500)
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", "model": model_name}
-
-    @app.get("/v1/models")
-    async def models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": model_name,
-                    "object": "model",
-                    "created": int(metrics.started),
-                    "owned_by": "teralm",
-                }
-            ],
-        }
-
-    @app.get("/metrics", response_class=PlainTextResponse, responses=JSON_ERRORS)
-    async def prometheus():
-        s = engine.stats
-        lines = ["# TYPE teralm_requests_total counter"]
-        lines += [
-            f'teralm_requests_total{{code="{c}"}} {n}' for c, n in sorted(metrics.requests.items())
-        ]
-        lines += [
-            "# TYPE teralm_request_seconds summary",
-            f"teralm_request_seconds_sum {metrics.latency_sum:.6f}",
-            f"teralm_request_seconds_count {metrics.latency_count}",
-            "# TYPE teralm_generated_tokens_total counter",
-            f"teralm_generated_tokens_total {s.tokens}",
-            "# TYPE teralm_prompt_tokens_total counter",
-            f"teralm_prompt_tokens_total {s.prompt_tokens}",
-            "# TYPE teralm_model_seconds_total counter",
-            f"teralm_model_seconds_total {s.model_s:.6f}",
-            "# TYPE teralm_index_lookup_seconds_total counter",
-            f"teralm_index_lookup_seconds_total {s.lookup_s:.6f}",
-            "# TYPE teralm_tokens_per_second gauge",
-            f"teralm_tokens_per_second {s.tokens / max(time.time() - metrics.started, 1e-9):.3f}",
-            "# TYPE teralm_queue_depth gauge",
-            f"teralm_queue_depth {engine.queue_depth}",
-            "# TYPE teralm_active_sequences gauge",
-            f"teralm_active_sequences {len(engine.active)}",
-        ]
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
-
-    def lookup(text: str, top_k: int, sources: int) -> dict:
-        context = ix.encode(text)
-        match = ix.longest_match([context])
-        length, count = int(match.length[0]), int(match.count[0])
-        tokens, counts = ix.next_token_distribution([context], top_k=top_k)[0]
-        return {
-            "longest_match": {
-                "length": length,
-                "tokens": len(context),
-                "count": count,
-                "text": decode(list(context[len(context) - length :])) if length else "",
-            },
-            "continuations": [
-                {
-                    "token": int(t),
-                    "text": token_text(decode, int(t), byte_level),
-                    "count": int(c),
-                    "probability": int(c) / count if count else 0.0,
-                }
-                for t, c in zip(tokens, counts)
-            ],
-            "sources": [
-                {k: hit[k] for k in ("document", "source", "offset", "snippet")}
-                for hit in (ix.documents(context, k=sources) if length and sources else [])
-            ],
-        }
-
-    @app.post("/v1/lookup")
-    async def lookup_endpoint(body: LookupRequest):
-        if len(body.text) > limits.max_body_bytes:
-            raise ApiError("text too long", param="text")
-        return await asyncio.to_thread(lookup, body.text, body.top_k, body.sources)
-
-    def encode_prompt(prompt) -> list[int]:
-        tokens = (
-            [int(t) for t in prompt]
-            if isinstance(prompt, list)
-            else [int(t) for t in ix.encode(prompt)]
-        )
-        if any(not 0 <= t < ix.vocab_size for t in tokens):
-            raise ApiError(f"prompt tokens must lie in 0..{ix.vocab_size - 1}", param="prompt")
-        if len(tokens) > limits.max_prompt_tokens:
-            raise ApiError(
-                f"prompt of {len(tokens)} tokens; the limit is {limits.max_prompt_tokens}",
-                param="prompt",
-            )
-        return tokens or [int(t) for t in ix.encode("\n")]  # an empty prompt starts a new line
-
-    @app.post("/v1/completions", responses=STREAMED)
-    async def completions(body: CompletionRequest, request: Request):
-        max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        if max_tokens > limits.max_tokens:
-            raise ApiError(f"max_tokens is at most {limits.max_tokens}", param="max_tokens")
-        if body.n > limits.max_n:
-            raise ApiError(f"n is at most {limits.max_n}", param="n")
-        asked = body.prompts()
-        if len(asked) * body.n > limits.max_sequences:
-            raise ApiError(
-                f"{len(asked)} prompts × n {body.n} sequences; the limit is {limits.max_sequences}",
-                param="prompt",
-            )
-        if body.logprobs is not None and body.logprobs > limits.max_logprobs:
-            raise ApiError(f"logprobs is at most {limits.max_logprobs}", param="logprobs")
-        if body.model not in (None, model_name):
-            raise ApiError(
-                f"unknown model {body.model!r}; this server has {model_name!r}", 404, param="model"
-            )
-        prompts = [encode_prompt(p) for p in asked]
-        if max_tokens == 0 and not body.echo:
-            raise ApiError("max_tokens 0 returns nothing without echo", param="max_tokens")
-        wake = Wakeup()
-        choices = [
-            Choice(i * body.n + j, p, body, max_tokens, decode, byte_level, wake)
-            for i, p in enumerate(prompts)
-            for j in range(body.n)
-        ]
-        engine.submit([c.seq for c in choices])
-        cid, created = completion_id(), now()
-        extra = {}
-        if body.index:  # teralm's extra field: the index's view of the (first) prompt
-            extra["index"] = await asyncio.to_thread(lookup, decode(prompts[0]), 5, 3)
-        progress = follow(choices, wake, request, limits.timeout_s)
-
-        def envelope(**fields) -> dict:
-            return {
-                "id": cid,
-                "object": "text_completion",
-                "created": created,
-                "model": model_name,
-                **fields,
-            }
-
-        if body.stream:
-
-            async def events():
-                try:
-                    async for chunks in progress:
-                        for chunk in chunks:
-                            yield sse(envelope(choices=[chunk]))
-                except ApiError as e:  # the status is sent already: an error event, as OpenAI's
-                    yield sse(e.body())
-                    return
-                if extra:
-                    yield sse(envelope(choices=[], **extra))
-                yield "data: [DONE]\n\n"
-
-            return StreamingResponse(events(), media_type="text/event-stream")
-
-        async for _ in progress:
-            pass
-        return envelope(
-            choices=[c.result() for c in choices], usage=usage(prompts, body.n, choices), **extra
-        )
-
-    @app.get("/", response_class=HTMLResponse, responses=JSON_ERRORS)
-    async def playground():
-        return resources.files("teralm.server").joinpath("playground.html").read_text()
-
-    return app
-
-
-def usage(prompts: list[list[int]], n: int, choices: list[Choice]) -> dict:
-    prompt = sum(len(p) for p in prompts) * n
-    completion = sum(c.generated for c in choices)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
 
 
 class Wakeup:
@@ -298,45 +98,6 @@ class Wakeup:
         self.event.clear()
 
 
-async def cancel_on_hangup(request: Request, choices: list[Choice], wake: Wakeup) -> None:
-    """Wait for the client to disconnect (its body is read already), then cancel the request's
-    sequences."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    for c in choices:
-        c.seq.cancel()
-    wake.notify()
-
-
-async def follow(
-    choices: list[Choice], wake: Wakeup, request: Request, timeout_s: float
-) -> AsyncIterator[list[dict]]:
-    """The choices' new chunks as the engine makes them, until all have finished or the client
-    left. Raises ApiError when time runs out (408) or a generation failed (500); the sequences
-    are cancelled however it ends."""
-    deadline = time.monotonic() + timeout_s
-    hangup = asyncio.create_task(cancel_on_hangup(request, choices, wake))
-    try:
-        while not (hangup.done() or all(c.finished for c in choices)):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise ApiError(f"generation took longer than {timeout_s:.0f} s", 408)
-            await wake.wait(remaining)
-            chunks = [chunk for c in choices for chunk in c.drain()]
-            failure = next((c.error for c in choices if c.error), None)
-            if failure:
-                raise ApiError(f"generation failed: {failure}", 500)
-            yield chunks
-    finally:
-        hangup.cancel()
-        for c in choices:
-            c.seq.cancel()
-
-
-def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
-
-
 class Choice:
     """One generated sequence of a request: events from the engine become text and logprobs."""
 
@@ -346,35 +107,28 @@ class Choice:
         prompt: list[int],
         body: CompletionRequest,
         max_tokens: int,
-        decode,
-        byte_level: bool,
+        service: CompletionService,
         wake: Wakeup,
     ):
-        self.index, self.prompt, self.body = index, prompt, body
-        self.decode, self.byte_level = decode, byte_level
-        self.stream = TextStream(decode, body.stop, prefix=[] if body.echo else prompt)
-        self.sampling = Sampling(
-            max_tokens,
-            body.temperature,
-            body.top_p,
-            body.top_k,
-            body.logprobs,
-            body.echo,
-            body.seed if body.seed is None else body.seed + index,
+        self.index, self.texts, self.prompt_tokens = index, service.texts, len(prompt)
+        self.stream = TextStream(service.pieces, body.stop, prefix=() if body.echo else prompt)
+        seed = body.seed if body.seed is None else body.seed + index
+        sampling = Sampling(
+            max_tokens, body.temperature, body.top_p, body.top_k, body.logprobs, body.echo, seed
         )
         self.updates: deque[TokenEvent] = deque()
-        self.text, self.finished, self.finish_reason, self.error = "", False, None, None
-        self.generated = 0
-        self.logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        self.offset = 0
+        self.parts: list[str] = []  # the text, piece by piece
+        self.finished, self.finish_reason, self.error = False, None, None
+        self.generated, self.offset = 0, 0
+        self.logprobs = Logprobs() if body.logprobs is not None else None
 
         def on_event(event: TokenEvent) -> None:  # the engine thread
             self.updates.append(event)
             wake.notify()
 
-        self.seq = Sequence(prompt, self.sampling, on_event)
+        self.seq = Sequence(prompt, sampling, on_event)
 
-    def drain(self) -> list[dict]:
+    def drain(self) -> list[CompletionChoice]:
         """Turn queued engine events into stream chunks (and accumulate the full result). A
         failed sequence ends with ``error`` set, and no chunk."""
         chunks = []
@@ -383,49 +137,403 @@ class Choice:
             if event.finish == "error":
                 self.finished, self.error = True, event.error
                 break
-            delta = ""
+            delta, logprobs = "", None
             if event.token is not None:
-                if not event.prompt:
-                    self.generated += 1
+                self.generated += not event.prompt
                 delta = self.stream.push(event.token)
-                self._logprob(event)
-            finish = event.finish
+                logprobs = self._logprob(event)
             if self.stream.stopped:
-                finish = "stop"
                 self.seq.cancel()
-            if finish:
+            if event.finish or self.stream.stopped:
                 delta += self.stream.finish()
-                self.finished, self.finish_reason = True, "stop" if finish == "stop" else "length"
-            self.text += delta
-            chunk = {
-                "index": self.index,
-                "text": delta,
-                "logprobs": None,
-                "finish_reason": self.finish_reason,
-            }
-            if self.body.logprobs is not None and event.token is not None:
-                chunk["logprobs"] = {k: v[-1:] for k, v in self.logprobs.items()}
-            chunks.append(chunk)
+                self.finished = True
+                self.finish_reason = "stop" if self.stream.stopped else "length"
+            self.parts.append(delta)
+            chunks.append(
+                CompletionChoice(
+                    index=self.index,
+                    text=delta,
+                    logprobs=logprobs,
+                    finish_reason=self.finish_reason,
+                )
+            )
         return chunks
 
-    def _logprob(self, event: TokenEvent) -> None:
-        if self.body.logprobs is None:
-            return
-        text = token_text(self.decode, event.token, self.byte_level)
-        self.logprobs["tokens"].append(text)
-        self.logprobs["token_logprobs"].append(event.logprob)
-        self.logprobs["top_logprobs"].append(
-            None
-            if event.top is None
-            else {token_text(self.decode, t, self.byte_level): lp for t, lp in event.top.items()}
+    def _logprob(self, event: TokenEvent) -> Logprobs | None:
+        """Add the token to the logprobs; its own entry, for its chunk."""
+        if self.logprobs is None:
+            return None
+        text = self.texts[event.token]
+        top = None if event.top is None else {self.texts[t]: lp for t, lp in event.top.items()}
+        entry = Logprobs(
+            tokens=[text],
+            token_logprobs=[event.logprob],
+            top_logprobs=[top],
+            text_offset=[self.offset],
         )
-        self.logprobs["text_offset"].append(self.offset)
+        for field in Logprobs.model_fields:
+            getattr(self.logprobs, field).extend(getattr(entry, field))
         self.offset += len(text)
+        return entry
 
-    def result(self) -> dict:
-        return {
-            "index": self.index,
-            "text": self.text,
-            "logprobs": self.logprobs if self.body.logprobs is not None else None,
-            "finish_reason": self.finish_reason or "length",
+    def result(self) -> CompletionChoice:
+        return CompletionChoice(
+            index=self.index,
+            text="".join(self.parts),
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason or "length",
+        )
+
+
+class Job:
+    """One accepted completion request: its choices in the engine, followed until they end."""
+
+    def __init__(
+        self,
+        model: str,
+        choices: list[Choice],
+        wake: Wakeup,
+        index: LookupResponse | None,
+    ):
+        self.envelope = {"id": completion_id(), "created": now(), "model": model, "index": index}
+        self.choices, self.wake = choices, wake
+
+    def usage(self) -> Usage:
+        prompt = sum(c.prompt_tokens for c in self.choices)
+        completion = sum(c.generated for c in self.choices)
+        return Usage(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
+
+    async def follow(self, request: Request, timeout_s: float) -> AsyncIterator[list]:
+        """The choices' new chunks as the engine makes them, until all have finished or the
+        client left. Raises ApiError when time runs out (408) or a generation failed (500); the
+        sequences are cancelled however it ends."""
+        deadline = time.monotonic() + timeout_s
+        hangup = asyncio.create_task(self._cancel_on_hangup(request))
+        try:
+            while not (hangup.done() or all(c.finished for c in self.choices)):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ApiError(f"generation took longer than {timeout_s:.0f} s", 408)
+                await self.wake.wait(remaining)
+                chunks = [chunk for c in self.choices for chunk in c.drain()]
+                failure = next((c.error for c in self.choices if c.error), None)
+                if failure:
+                    raise ApiError(f"generation failed: {failure}", 500)
+                yield chunks
+        finally:
+            hangup.cancel()
+            self.cancel()
+
+    async def _cancel_on_hangup(self, request: Request) -> None:
+        """Wait for the client to disconnect (its body is read already), then cancel."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.cancel()
+        self.wake.notify()
+
+    def cancel(self) -> None:
+        for c in self.choices:
+            c.seq.cancel()
+
+
+class CompletionService:
+    """Completions and tokenizer answers over one Engine and its index: checks each request
+    against the limits, queues its sequences and follows them, whole (``collect``) or as they
+    come (``stream``)."""
+
+    def __init__(self, engine: Engine, model_name: str, limits: Limits):
+        self.engine, self.model_name, self.limits = engine, model_name, limits
+        self.ix = engine.index
+        self.pieces = token_bytes(self.ix.tokenizer)  # every token's bytes and text, once
+        self.texts = token_texts(self.pieces)
+        self.started = now()
+
+    def check_model(self, model: str | None) -> None:
+        if model not in (None, self.model_name):
+            raise ApiError(
+                f"unknown model {model!r}; this server has {self.model_name!r}", 404, "model"
+            )
+
+    def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_name, created=self.started)])
+
+    def tokenizer_info(self) -> TokenizerInfo:
+        return TokenizerInfo(
+            tokenizer=self.ix.tokenizer.name,
+            vocab_size=self.ix.vocab_size,
+            model_max_length=self.limits.max_prompt_tokens,
+        )
+
+    def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        self.check_model(body.model)
+        tokens = [int(t) for t in self.ix.encode(body.prompt)]
+        return TokenizeResponse(
+            tokens=tokens, count=len(tokens), max_model_len=self.limits.max_prompt_tokens
+        )
+
+    def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(body.model)
+        self._check_tokens(body.tokens, "tokens", "tokens")
+        return DetokenizeResponse(prompt=self.ix.decode(body.tokens))
+
+    def _check_tokens(self, tokens: list[int], param: str, what: str) -> None:
+        if any(not 0 <= t < self.ix.vocab_size for t in tokens):
+            raise ApiError(f"{what} must lie in 0..{self.ix.vocab_size - 1}", param=param)
+
+    def lookup(self, text: str, top_k: int = 5, sources: int = 3) -> LookupResponse:
+        """The index's longest match of ``text``, its continuations and their sources, from
+        one search."""
+        if len(text) > self.limits.max_body_bytes:
+            raise ApiError("text too long", param="text")
+        context = self.ix.encode(text)
+        found = self.ix.lookup(context, top_k=top_k, sources=sources)
+        matched = context[len(context) - found.length :] if found.length else []
+        return LookupResponse(
+            longest_match=LongestMatch(
+                length=found.length,
+                tokens=len(context),
+                count=found.count,
+                text=self.ix.decode(list(matched)),
+            ),
+            continuations=[
+                Continuation(
+                    token=int(t),
+                    text=self.texts[int(t)],
+                    count=int(c),
+                    probability=int(c) / found.count if found.count else 0.0,
+                )
+                for t, c in zip(found.tokens, found.counts)
+            ],
+            sources=[Source(**hit) for hit in found.documents],
+        )
+
+    def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        tokens = [int(t) for t in (prompt if isinstance(prompt, list) else self.ix.encode(prompt))]
+        self._check_tokens(tokens, "prompt", "prompt tokens")
+        if len(tokens) > self.limits.max_prompt_tokens:
+            raise ApiError(
+                f"prompt of {len(tokens)} tokens; the limit is {self.limits.max_prompt_tokens}",
+                param="prompt",
+            )
+        return tokens or [int(t) for t in self.ix.encode("\n")]  # an empty prompt starts a line
+
+    def _check_limits(self, body: CompletionRequest) -> int:
+        """``max_tokens``, once the request is known to be within the limits."""
+        limits = self.limits
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        if max_tokens > limits.max_tokens:
+            raise ApiError(f"max_tokens is at most {limits.max_tokens}", param="max_tokens")
+        if body.n > limits.max_n:
+            raise ApiError(f"n is at most {limits.max_n}", param="n")
+        prompts = len(body.prompts())
+        if prompts * body.n > limits.max_sequences:
+            raise ApiError(
+                f"{prompts} prompts × n {body.n} sequences; the limit is {limits.max_sequences}",
+                param="prompt",
+            )
+        if body.logprobs is not None and body.logprobs > limits.max_logprobs:
+            raise ApiError(f"logprobs is at most {limits.max_logprobs}", param="logprobs")
+        self.check_model(body.model)
+        return max_tokens
+
+    async def submit(self, body: CompletionRequest) -> Job:
+        """Check the request and queue its sequences (ApiError if it asks too much)."""
+        max_tokens = self._check_limits(body)
+        prompts = [self._encode_prompt(p) for p in body.prompts()]
+        if max_tokens == 0 and not body.echo:
+            raise ApiError("max_tokens 0 returns nothing without echo", param="max_tokens")
+        wake = Wakeup()
+        choices = [
+            Choice(i * body.n + j, p, body, max_tokens, self, wake)
+            for i, p in enumerate(prompts)
+            for j in range(body.n)
+        ]
+        self.engine.submit([c.seq for c in choices])
+        index = None
+        if body.index:  # teralm's extra field: the index's view of the (first) prompt
+            index = await asyncio.to_thread(self.lookup, self.ix.decode(prompts[0]))
+        return Job(self.model_name, choices, wake, index)
+
+    async def collect(self, job: Job, request: Request) -> Completion:
+        """The whole completion, once every choice has finished."""
+        async for _ in job.follow(request, self.limits.timeout_s):
+            pass
+        choices = [c.result() for c in job.choices]
+        return Completion(**job.envelope, choices=choices, usage=job.usage())
+
+    async def stream(self, job: Job, request: Request) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per new piece of a choice, then the index's view (when
+        asked for) and ``[DONE]``; or an error event if the generation fails."""
+        envelope = {**job.envelope, "index": None}
+        try:
+            async for chunks in job.follow(request, self.limits.timeout_s):
+                for chunk in chunks:
+                    yield sse(CompletionChunk(**envelope, choices=[chunk]))
+        except ApiError as e:  # the status is sent already: an error event, as OpenAI's
+            yield sse(e.response())
+            return
+        if job.envelope["index"]:
+            yield sse(CompletionChunk(**job.envelope, choices=[]))
+        yield "data: [DONE]\n\n"
+
+
+def sse(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+class EngineCollector(Collector):
+    """The engine's counters and gauges, read at each scrape."""
+
+    COUNTERS = {  # name (without _total): help, EngineStats field
+        "teralm_generated_tokens": ("Tokens generated", "tokens"),
+        "teralm_prompt_tokens": ("Prompt tokens read", "prompt_tokens"),
+        "teralm_model_seconds": ("Time in the model's forward passes", "model_s"),
+        "teralm_index_lookup_seconds": ("Time in index lookups", "lookup_s"),
+    }
+
+    def __init__(self, engine: Engine):
+        self.engine, self.started = engine, time.time()
+
+    def collect(self):
+        stats = self.engine.stats
+        for name, (about, field) in self.COUNTERS.items():
+            yield CounterMetricFamily(name, about, value=getattr(stats, field))
+        gauges = {
+            "teralm_tokens_per_second": (
+                "Tokens generated per second since start",
+                stats.tokens / max(time.time() - self.started, 1e-9),
+            ),
+            "teralm_queue_depth": ("Sequences waiting for the batch", self.engine.queue_depth),
+            "teralm_active_sequences": ("Sequences in the batch", len(self.engine.active)),
         }
+        for name, (about, value) in gauges.items():
+            yield GaugeMetricFamily(name, about, value=value)
+
+
+# -- routes -----------------------------------------------------------------------------------
+
+
+def get_service(request: Request) -> CompletionService:
+    return request.app.state.service
+
+
+Service = Annotated[CompletionService, Depends(get_service)]
+public = APIRouter()  # no API key
+api = APIRouter()  # the API key, when the server has one
+
+
+@public.get("/health")
+async def health(service: Service) -> Health:
+    return Health(model=service.model_name)
+
+
+@public.get("/", response_class=HTMLResponse, responses=JSON_ERRORS)
+async def playground() -> str:
+    return resources.files("teralm.server").joinpath("playground.html").read_text()
+
+
+@api.get("/openapi.json", include_in_schema=False)
+async def openapi(request: Request) -> JSONResponse:
+    return JSONResponse(request.app.openapi())
+
+
+@api.get("/v1/models")
+async def models(service: Service) -> ModelList:
+    return service.models()
+
+
+@api.post("/v1/completions", response_model=Completion, responses=STREAMED)
+async def completions(body: CompletionRequest, request: Request, service: Service):
+    job = await service.submit(body)
+    if body.stream:
+        return StreamingResponse(service.stream(job, request), media_type="text/event-stream")
+    return await service.collect(job, request)
+
+
+@api.post("/v1/lookup")
+def lookup(body: LookupRequest, service: Service) -> LookupResponse:
+    return service.lookup(body.text, body.top_k, body.sources)
+
+
+@api.get("/tokenizer_info")
+async def tokenizer_info(service: Service) -> TokenizerInfo:
+    return service.tokenizer_info()
+
+
+@api.post("/tokenize")
+def tokenize(body: TokenizeRequest, service: Service) -> TokenizeResponse:
+    return service.tokenize(body)
+
+
+@api.post("/detokenize")
+def detokenize(body: DetokenizeRequest, service: Service) -> DetokenizeResponse:
+    return service.detokenize(body)
+
+
+@api.get("/metrics", response_class=PlainTextResponse, responses=JSON_ERRORS)
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+# -- errors: every one an OpenAI error object -------------------------------------------------
+
+
+def error(response: ErrorResponse, status: int, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(response.model_dump(), status, headers=headers)
+
+
+async def api_error(_, exc: ApiError) -> JSONResponse:
+    return error(exc.response(), exc.status)
+
+
+async def invalid(_, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()  # a union's alternatives each add one: a value error says most
+    first = next((e for e in errors if e["type"] == "value_error"), errors[0] if errors else {})
+    if first.get("type") == "json_invalid":
+        reason = first.get("ctx", {}).get("error", "")
+        return error(error_response(f"the request body is not valid JSON ({reason})"), 400)
+    where = ".".join(str(p) for p in first.get("loc", ())[1:2]) or None  # the field
+    message = f"{where or 'body'}: {first.get('msg', 'invalid request')}"
+    return error(error_response(message, param=where), 400)
+
+
+async def http_error(_, exc: StarletteHTTPException) -> JSONResponse:
+    response = error_response(str(exc.detail), code=str(exc.status_code))
+    return error(response, exc.status_code, exc.headers)  # a 405's Allow
+
+
+async def internal(_, exc: Exception) -> JSONResponse:
+    log.error("internal error", exc_info=exc)
+    return error(error_response("internal error", "server_error"), 500)
+
+
+def create_app(
+    engine: Engine, model_name: str, limits: Limits | None = None, api_key: str | None = None
+) -> FastAPI:
+    """The server over a running ``engine``: every route but ``/health`` and the playground
+    needs ``api_key`` when there is one."""
+    limits = limits or Limits()
+    app = FastAPI(
+        title="teralm",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,  # served by ``openapi`` above, behind the key
+        responses=ERRORS,
+        exception_handlers={
+            ApiError: api_error,
+            RequestValidationError: invalid,
+            StarletteHTTPException: http_error,
+            Exception: internal,
+        },
+    )
+    app.state.service = CompletionService(engine, model_name, limits)
+    app.state.registry = CollectorRegistry()
+    app.state.registry.register(EngineCollector(engine))
+    app.add_middleware(
+        Guard, metrics=RequestMetrics(app.state.registry), max_body_bytes=limits.max_body_bytes
+    )
+    app.include_router(public)
+    app.include_router(api, dependencies=[Security(api_key_check(api_key))] if api_key else [])
+    return app

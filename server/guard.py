@@ -1,47 +1,72 @@
-"""The ASGI middleware in front of every route: the API key, the body-size limit, and the request
-counts that ``/metrics`` reports."""
+"""What stands in front of the routes: the API key (a FastAPI security dependency, so that the
+OpenAPI document shows it), and an ASGI middleware that holds bodies to their size limit and
+counts every response for ``/metrics``."""
 
 from __future__ import annotations
 
 import secrets
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from typing import Annotated
 
+from fastapi import Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CollectorRegistry, Counter, Summary
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from teralm.server.protocol import error_body
+from teralm.server.protocol import ApiError, error_response
 
-OPEN_PATHS = {"/health", "/"}  # the playground page is static; it sends the key itself
+Bearer = Annotated[
+    HTTPAuthorizationCredentials | None,
+    Security(
+        HTTPBearer(
+            auto_error=False, description="The server's --api-key: `Authorization: Bearer KEY`"
+        )
+    ),
+]
+
+
+def api_key_check(api_key: str) -> Callable[..., Awaitable[None]]:
+    """A dependency that answers 401 unless the request has ``Authorization: Bearer API_KEY``
+    (the scheme in any case)."""
+
+    async def check(credentials: Bearer) -> None:
+        given = credentials.credentials.encode() if credentials else b""
+        if not secrets.compare_digest(given, api_key.encode()):
+            raise ApiError(
+                "missing or wrong API key (Authorization: Bearer KEY)",
+                401,
+                kind="authentication_error",
+                code="invalid_api_key",
+            )
+
+    return check
+
+
+class RequestMetrics:
+    """Responses by status code, and the time each took."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.requests = Counter(
+            "teralm_requests", "Responses, by status code", ["code"], registry=registry
+        )
+        self.latency = Summary("teralm_request_seconds", "Time to respond", registry=registry)
+
+    def record(self, status: int, seconds: float) -> None:
+        self.requests.labels(code=str(status)).inc()
+        self.latency.observe(seconds)
 
 
 class BodyTooLarge(Exception):
     pass
 
 
-@dataclass
-class RequestMetrics:
-    requests: Counter = field(default_factory=Counter)  # by status code
-    latency_sum: float = 0.0
-    latency_count: int = 0
-    started: float = field(default_factory=time.time)
-
-    def record(self, status: int, seconds: float) -> None:
-        self.requests[status] += 1
-        self.latency_sum += seconds
-        self.latency_count += 1
-
-
 class Guard:
-    """Answers 401 without the API key (``Authorization: Bearer KEY``, the scheme in any case)
-    and 413 for a body over ``max_body_bytes``, counted as it arrives, so a chunked body is held
-    to the limit too; otherwise hands the app the body it read. Counts every response."""
+    """Answers 413 for a body over ``max_body_bytes``, counted as it arrives, so a chunked body
+    is held to the limit too; otherwise hands the app the body it read. Counts every response."""
 
-    def __init__(
-        self, app: ASGIApp, metrics: RequestMetrics, api_key: str | None, max_body_bytes: int
-    ):
-        self.app, self.metrics = app, metrics
-        self.api_key, self.max_body_bytes = api_key, max_body_bytes
+    def __init__(self, app: ASGIApp, metrics: RequestMetrics, max_body_bytes: int):
+        self.app, self.metrics, self.max_body_bytes = app, metrics, max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -64,28 +89,13 @@ class Guard:
                 self.metrics.record(status, time.perf_counter() - began)
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if not self._authorised(scope):
-            refusal = error_body(
-                "missing or wrong API key (Authorization: Bearer KEY)",
-                "authentication_error",
-                code="invalid_api_key",
-            )
-            return await JSONResponse(refusal, 401)(scope, receive, send)
         try:
             body = await self._read_body(scope, receive)
         except BodyTooLarge:
-            refusal = error_body(f"request body over {self.max_body_bytes} bytes")
-            return await JSONResponse(refusal, 413)(scope, receive, send)
+            refusal = error_response(f"request body over {self.max_body_bytes} bytes")
+            return await JSONResponse(refusal.model_dump(), 413)(scope, receive, send)
         if body is not None:  # None: the client left while sending it
             await self.app(scope, _replay(body, receive), send)
-
-    def _authorised(self, scope: Scope) -> bool:
-        if not self.api_key or scope["path"] in OPEN_PATHS:
-            return True
-        scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
-        return scheme.lower() == b"bearer" and secrets.compare_digest(
-            key.strip(), self.api_key.encode()
-        )
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
         """The whole body (None if the client left first); raises ``BodyTooLarge`` as soon as

@@ -1,4 +1,4 @@
-"""OpenAI-compatible request and response schemas for ``/v1/completions`` (apart from the engine).
+"""OpenAI-compatible schemas, apart from the engine: what each route takes and what it sends.
 
 Fields the OpenAI client may send but teralm does not use (penalties, ``user``, ``best_of`` = n,
 ``logit_bias`` when empty) are accepted and ignored; anything out of range, and text that is not
@@ -10,9 +10,11 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOPS = 16  # lm-evaluation-harness tasks send up to 5; OpenAI takes 4
 
 
 @dataclass
@@ -37,11 +39,17 @@ def _encodable(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_encodable)]  # JSON's "\ud800" is a str, but not UTF-8
+TokenId = Annotated[int, Field(ge=0)]
 
 
-class CompletionRequest(BaseModel):
+# -- requests ---------------------------------------------------------------------------------
+
+
+class Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
+
+class CompletionRequest(Request):
     model: Text | None = None
     prompt: Text | list[Text] | list[int] | list[list[int]] = ""
     max_tokens: int | None = Field(16, ge=0)
@@ -60,8 +68,8 @@ class CompletionRequest(BaseModel):
     @classmethod
     def _stops(cls, value):
         stops = [value] if isinstance(value, str) else list(value or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop takes up to 4 non-empty strings")
+        if len(stops) > MAX_STOPS or any(not s for s in stops):
+            raise ValueError(f"stop takes up to {MAX_STOPS} non-empty strings")
         return stops
 
     def prompts(self) -> list[str | list[int]]:
@@ -74,20 +82,135 @@ class CompletionRequest(BaseModel):
         return list(p) or [""]
 
 
-class LookupRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class LookupRequest(Request):
     text: Text
     top_k: int = Field(5, ge=1, le=100)
     sources: int = Field(3, ge=0, le=20)
 
 
-def completion_id() -> str:
-    return f"cmpl-{uuid.uuid4().hex[:24]}"
+class TokenizeRequest(Request):
+    """vLLM's ``/tokenize``; there are no special tokens to add."""
+
+    prompt: Text
+    add_special_tokens: bool = True
+    model: Text | None = None
 
 
-def now() -> int:
-    return int(time.time())
+class DetokenizeRequest(Request):
+    tokens: list[TokenId]
+    model: Text | None = None
+
+
+# -- responses --------------------------------------------------------------------------------
+
+
+class Logprobs(BaseModel):
+    """Per token: its text (``bytes:\\xNN`` for part of a character), log-probability, the top
+    alternatives and where its text starts. The first echoed token has no log-probability."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Logprobs | None = None
+    finish_reason: FinishReason | None  # None until the choice's last chunk
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class LongestMatch(BaseModel):
+    length: int
+    tokens: int
+    count: int
+    text: str
+
+
+class Continuation(BaseModel):
+    token: int
+    text: str
+    count: int
+    probability: float
+
+
+class Source(BaseModel):
+    document: int
+    source: str
+    offset: int
+    snippet: str
+
+
+class LookupResponse(BaseModel):
+    """The index's view of a text: its longest match, what followed it, and where."""
+
+    longest_match: LongestMatch
+    continuations: list[Continuation]
+    sources: list[Source]
+
+
+class CompletionChunk(BaseModel):
+    """One server-sent event of a streamed completion (the last one may carry ``index`` alone)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    index: LookupResponse | None = Field(None, exclude_if=lambda v: v is None)  # when asked
+
+
+class Completion(CompletionChunk):
+    usage: Usage
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+    model: str
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "teralm"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizerInfo(BaseModel):
+    """vLLM's ``/tokenizer_info``, as lm-evaluation-harness reads it: the model has no
+    end-of-text token, and a new line begins a text (as it begins an empty prompt)."""
+
+    tokenizer: str
+    vocab_size: int
+    bos_token: str = "\n"
+    eos_token: str | None = None
+    pad_token: str | None = None
+    model_max_length: int
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ErrorDetail(BaseModel):
@@ -103,11 +226,38 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-def error_body(
+class ApiError(Exception):
+    """An error answered with an OpenAI error object: the client's (4xx) or the server's (5xx)."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        kind: str | None = None,
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+        self.kind = kind or ("server_error" if status >= 500 else "invalid_request_error")
+
+    def response(self) -> ErrorResponse:
+        return error_response(str(self), self.kind, self.param, self.code)
+
+
+def error_response(
     message: str,
     kind: str = "invalid_request_error",
     param: str | None = None,
     code: str | None = None,
-) -> dict:
+) -> ErrorResponse:
     """The OpenAI error object."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return ErrorResponse(error=ErrorDetail(message=message, type=kind, param=param, code=code))
+
+
+def completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())

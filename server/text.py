@@ -1,55 +1,76 @@
-"""Tokens to text for responses: incremental decoding that never splits a character, and stop
-strings cut from the output (held back while they might still be forming)."""
+"""Tokens to text for responses: every token's bytes and text in tables built once, incremental
+decoding that never splits a character, and stop strings cut from the output (held back while
+they might still be forming)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import codecs
+import json
+from collections.abc import Iterable, Sequence
+from functools import cache
 
-REPLACEMENT = "\ufffd"
+from teralm.index.tokenizer import Tokenizer
+
+
+@cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """The character a byte-level BPE writes for each byte (GPT-2's ``bytes_to_unicode``)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    shifted = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(shifted)}
+    return {c: b for b, c in chars.items()}
+
+
+def token_bytes(tokenizer: Tokenizer) -> list[bytes]:
+    """Every token's bytes: one byte each, or a byte-level BPE's pieces read off its vocabulary."""
+    if tokenizer.name == "bytes":
+        return [bytes([t]) for t in range(256)]
+    alphabet = _byte_level_alphabet()
+    table = [b""] * tokenizer.vocab_size
+    for piece, token in json.loads(tokenizer.to_json())["model"]["vocab"].items():
+        table[token] = bytes(alphabet[c] for c in piece)
+    return table
+
+
+def token_texts(pieces: Sequence[bytes]) -> list[str]:
+    """Every token's text for logprobs; a token that is not whole characters is ``bytes:\\xNN``
+    (its bytes, as OpenAI writes them)."""
+
+    def text(piece: bytes) -> str:
+        try:
+            return piece.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
+
+    return [text(p) for p in pieces]
 
 
 class TextStream:
-    """Feed tokens with ``push``; each returns the text that is now final. ``stopped`` turns true
-    when a stop string appeared (the text ends just before it)."""
+    """Feed tokens with ``push``; each returns the text that is now final. Only the new token's
+    bytes are decoded: a character split across tokens waits in the UTF-8 decoder for its last
+    byte. ``stopped`` turns true when a stop string appeared (the text ends just before it).
+    ``prefix`` (the prompt, when it is not echoed) is decoded first and not returned."""
 
-    def __init__(
-        self, decode: Callable[[list[int]], str], stops: list[str], prefix: list[int] = ()
-    ):
-        self.decode, self.stops = decode, stops
-        self.tokens: list[int] = list(prefix)
-        self.skip = len(decode(self.tokens)) if self.tokens else 0  # text of the prefix
-        self.emitted = 0
-        self.stopped = False
+    def __init__(self, pieces: Sequence[bytes], stops: list[str], prefix: Iterable[int] = ()):
+        self.pieces, self.stops = pieces, stops
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.decoder.decode(b"".join(pieces[t] for t in prefix))
+        self.held = ""  # decoded, not yet returned: it may be the start of a stop string
         self.hold = max((len(s) for s in stops), default=1) - 1
+        self.stopped = False
 
     def push(self, token: int) -> str:
-        self.tokens.append(token)
-        return self._advance(final=False)
+        return self._advance(self.decoder.decode(self.pieces[token]), final=False)
 
     def finish(self) -> str:
         """Whatever is still held back, at the end of the sequence."""
-        return "" if self.stopped else self._advance(final=True)
+        return "" if self.stopped else self._advance(self.decoder.decode(b"", final=True), True)
 
-    def _advance(self, final: bool) -> str:
-        text = self.decode(self.tokens)[self.skip :]
-        for stop in self.stops:
-            at = text.find(stop, max(0, self.emitted - len(stop) + 1))
-            if at >= 0:
-                self.stopped = True
-                text = text[:at]
-        end = len(text)
-        if not (final or self.stopped):
-            end = max(self.emitted, end - self.hold)
-            while end > self.emitted and text[end - 1] == REPLACEMENT:  # a character in progress
-                end -= 1
-        delta = text[self.emitted : end]
-        self.emitted = max(self.emitted, end)
-        return delta
-
-
-def token_text(decode: Callable[[list[int]], str], token: int, byte_level: bool) -> str:
-    """A token's text for logprobs; a byte that is part of a character is ``bytes:\\xNN``."""
-    text = decode([token])
-    if byte_level and REPLACEMENT in text:
-        return f"bytes:\\x{token:02x}"
-    return text
+    def _advance(self, new: str, final: bool) -> str:
+        text = self.held + new  # what was returned already can hold no stop string's start
+        cuts = [at for at in (text.find(s) for s in self.stops) if at >= 0]
+        if cuts:
+            self.stopped, text = True, text[: min(cuts)]
+        keep = 0 if final or self.stopped else min(self.hold, len(text))
+        self.held = text[len(text) - keep :]
+        return text[: len(text) - keep]

@@ -224,6 +224,12 @@ def test_the_openapi_document_shows_what_the_server_sends(server):
                 assert list(operation["responses"][errors]["content"]) == ["application/json"]
     metrics = document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert list(metrics) == ["text/plain"]
+    completion = document["paths"]["/v1/completions"]["post"]
+    sent = completion["responses"]["200"]["content"]["application/json"]["schema"]
+    assert sent == {"$ref": "#/components/schemas/Completion"}
+    assert document["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    assert completion["security"] == [{"HTTPBearer": []}]
+    assert "security" not in document["paths"]["/health"]["get"]
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,11 @@ import time
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from serving import KEY, free_port, greedy, request, wait_until_up
+from teralm.index.tokenizer import ByteTokenizer
+from teralm.server.text import TextStream, token_bytes
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +163,39 @@ def test_concurrent_clients_all_get_their_answers(served):
     assert results == {p: reference(served, p, 20) for p in prompts}
 
 
+def test_vllm_tokenizer_routes_and_many_stop_strings(served):
+    port = served["port"]
+    code, info = request(port, "GET", "/tokenizer_info")
+    assert code == 200 and info["bos_token"] == "\n" and "eos_token" in info
+    text = "abc é日本"  # characters of 2 and 3 bytes
+    code, tokenized = request(port, "POST", "/tokenize", {"prompt": text})
+    assert code == 200 and tokenized["tokens"] == list(text.encode())
+    assert tokenized["count"] == len(text.encode())
+    code, detokenized = request(port, "POST", "/detokenize", {"tokens": tokenized["tokens"]})
+    assert code == 200 and detokenized["prompt"] == text
+    code, answer = request(port, "POST", "/detokenize", {"tokens": [97, 256]})
+    assert code == 400 and answer["error"]["param"] == "tokens"
+    assert request(port, "GET", "/tokenizer_info", key=None)[0] == 401
+
+    full = reference(served, "ab", 40)
+    stops = ["zz", "yy", "xx", "ww", "vv", full[5:7]]  # lm-eval tasks send up to 5
+    body = {"prompt": "ab", "max_tokens": 40, "temperature": 0, "stop": stops}
+    code, answer = request(port, "POST", "/v1/completions", body)
+    assert code == 200 and answer["choices"][0]["text"] == full[: full.index(full[5:7])]
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    code, answer = request(port, "POST", "/v1/completions", {**body, "stop": ["q"] * 17})
+    assert code == 400 and answer["error"]["param"] == "stop"
+
+
+def test_lm_eval_finds_the_remote_tokenizer(served):
+    utils = pytest.importorskip("lm_eval.utils", reason="lm-eval is not installed")
+    base_url = f"http://127.0.0.1:{served['port']}/v1/completions"
+    assert utils.check_remote_tokenizer_support(base_url, auth_token=KEY)
+    tokenizer = utils.RemoteTokenizer(base_url, auth_token=KEY)
+    assert tokenizer.eos_token_id is None and tokenizer.bos_token_id == ord("\n")
+    assert tokenizer.decode(tokenizer.encode("a é")) == "a é"
+
+
 @pytest.mark.parametrize(
     "body, status, words",
     [
@@ -203,6 +240,10 @@ def test_lookup_metrics_and_disconnect(served):
     assert code == 200 and answer["longest_match"]["length"] == int(match.length[0])
     assert answer["longest_match"]["count"] == int(match.count[0])
     assert answer["sources"] and len(answer["continuations"]) <= 3
+    body = {"prompt": text, "max_tokens": 2}
+    code, answer = request(port, "POST", "/v1/completions", {**body, "index": True})
+    assert code == 200 and answer["index"]["longest_match"]["length"] == int(match.length[0])
+    assert "index" not in request(port, "POST", "/v1/completions", body)[1]
 
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     body = json.dumps({"prompt": "ab", "max_tokens": 200, "stream": True}).encode()
@@ -321,3 +362,34 @@ def test_serve_refuses_another_tokenizer_and_loads_fp8_exports(served, tmp_path)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+BYTES = token_bytes(ByteTokenizer())
+pieces = st.one_of(st.binary(max_size=4), st.text(max_size=4).map(str.encode))  # split UTF-8
+
+
+@given(st.lists(pieces, max_size=24).map(b"".join), st.lists(st.text(min_size=1, max_size=3)))
+def test_incremental_detokenization_equals_a_full_decode(data, stops):
+    full = ByteTokenizer().decode(list(data))
+    cuts = [at for at in (full.find(s) for s in stops) if at >= 0]
+    stream, out = TextStream(BYTES, stops), []
+    for byte in data:
+        out.append(stream.push(byte))
+        if stream.stopped:
+            break
+    out.append(stream.finish())
+    assert "".join(out) == full[: min(cuts, default=len(full))]
+    assert stream.stopped == bool(cuts)
+
+
+def test_a_byte_level_bpe_decodes_incrementally_as_a_whole():
+    from teralm.index.tokenizer import BPETokenizer
+
+    texts = ["naïve café, 日本語 and € signs\n" * 8, "def __init__(self):\n    pass\n" * 8]
+    bpe = BPETokenizer.train(texts, 300)
+    table = token_bytes(bpe)
+    for text in texts:
+        tokens = [int(t) for t in bpe.encode(text)]
+        assert b"".join(table[t] for t in tokens) == text.encode()
+        stream = TextStream(table, [])
+        assert "".join(map(stream.push, tokens)) + stream.finish() == bpe.decode(tokens) == text
