@@ -1,39 +1,290 @@
-"""Serving benchmark on the CPU: the tiny model with the pydocs index behind `teralm serve`.
+"""Serving benchmark on the CPU: teralm (in-process and over HTTP) beside Hugging Face transformers.
 
-    python benchmarks/bench_quality.py        # trains the tiny model this uses (once)
-    python benchmarks/bench_serve.py [--clients 32] [--seconds 60] [--max-tokens 32]
+    pip install -e '.[bench]'
+    python benchmarks/bench_serve.py [--clients 32] [--seconds 60] [--max-tokens 32] [--steps 30]
 
-Single stream: time to first token and tokens/s of one streamed completion. Then ``--clients``
-concurrent clients send completions for ``--seconds``: throughput, p50/p99 latency, errors, and the
-share of the engine's time spent in index lookups (from /metrics). Prints a table, writes
+Uses the tiny run that benchmarks/bench_quality.py trains, or else trains a short one (``--steps``)
+with the pydocs index. Three systems get the same token prompts from held-out documents:
+- HF: ``GPT2LMHeadModel`` of the run's dimensions, random weights, fp32, greedy ``generate()``;
+- teralm in-process: the model and index loaded as ``teralm serve`` does, driving its ``Engine``;
+- teralm over HTTP: a ``teralm serve`` subprocess on 127.0.0.1.
+
+For each: single-stream tokens/s (after the first token, ``--stream-tokens`` greedy), batched
+tokens/s (``--clients`` prompts at once, ``--max-tokens`` each) and the time to first token for a
+100-token prompt (median of ``--repeats``). Then ``--clients`` concurrent HTTP clients send
+completions for ``--seconds``: throughput, p50/p99 latency, errors and the share of the engine's
+time spent in index lookups (from /metrics). Prints the tables and the targets, writes
 benchmarks/results/bench_serve.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
+import os
 import socket
+import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
-from common import CACHE, save, table
+import torch
+from common import CACHE, SHARED_DATA, save, table, teralm_cli
 
 QUALITY = CACHE / "quality"
+WORK = CACHE / "serve"
+PYDOCS = SHARED_DATA / "pydocs.jsonl.gz"
+PROMPT_TOKENS, TTFT_PROMPT_TOKENS = 64, 100
 
 
-def post(port: int, body: dict):
+# -- the run and the prompts -------------------------------------------------------------------
+
+
+def trained_run(steps: int) -> tuple[Path, Path]:
+    """(run, index): bench_quality's tiny run when there is one, else a tiny run of ``steps``
+    steps trained here on the pydocs index (random-ish weights are fine for speed)."""
+    if (QUALITY / "run-index" / "latest.json").exists():
+        return QUALITY / "run-index", QUALITY / "index"
+    run, index = WORK / "run", WORK / "index"
+    if not (run / "latest.json").exists():
+        if not PYDOCS.exists():
+            sys.exit(f"{PYDOCS} not found: the benchmark reads the team's shared data folder")
+        if not (index / "manifest.json").exists():
+            teralm_cli("build-index", PYDOCS, "--out", index, "--quiet")
+        cmd = ["train", "--index", index, "--out", run, "--preset", "tiny", "--quiet"]
+        teralm_cli(*cmd, "--max-steps", steps)
+    return run, index
+
+
+def held_out_prompts(index: Path, length: int) -> list[list[int]]:
+    """Token prompts of ``length`` from the held-out documents (every 50th)."""
+    from teralm.index import Index
+
+    ix = Index.open(index)
+    spans = [ix.document_range(d) for d in range(0, ix.num_documents, 50)]
+    return [ix.tokens(a + 100, a + 100 + length).tolist() for a, b in spans if b - a > 100 + length]
+
+
+# -- the three systems --------------------------------------------------------------------------
+
+
+class System(Protocol):
+    name: str
+
+    def stream(self, prompt: list[int], n: int) -> list[float]:
+        """Greedy completion of ``n`` tokens: seconds from the call to each new token."""
+
+    def batch(self, prompts: list[list[int]], n: int) -> int:
+        """Greedy completions of ``n`` tokens for all ``prompts`` at once: tokens made."""
+
+
+class HFBaseline:
+    """``GPT2LMHeadModel`` with the run's dimensions, random weights, fp32, greedy ``generate()``
+    with its KV cache."""
+
+    name = "HF transformers GPT-2"
+
+    def __init__(self, model_config: dict):
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(
+            vocab_size=model_config["vocab_size"],
+            n_positions=model_config["max_seq_len"],
+            n_embd=model_config["d_model"],
+            n_layer=model_config["n_layer"],
+            n_head=model_config["n_head"],
+            bos_token_id=0,
+            eos_token_id=None,  # no early stop: every sequence makes max_new_tokens
+            pad_token_id=0,
+        )
+        self.model = GPT2LMHeadModel(config).eval()
+
+    def _generate(
+        self, prompts: list[list[int]], n: int, streamer: TokenClock | None = None
+    ) -> torch.Tensor:
+        """Greedy completions of left-padded ``prompts``; the new tokens [batch, n]."""
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.inference_mode():
+            out = self.model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                do_sample=False,
+                use_cache=True,
+                streamer=streamer,
+            )
+        return out[:, width:]
+
+    def stream(self, prompt: list[int], n: int) -> list[float]:
+        clock = TokenClock()
+        self._generate([prompt], n, clock)
+        return clock.times
+
+    def batch(self, prompts: list[list[int]], n: int) -> int:
+        return self._generate(prompts, n).numel()
+
+
+class TokenClock:
+    """A ``generate()`` streamer: seconds from its creation to each new token (the first
+    ``put`` is the prompt)."""
+
+    def __init__(self):
+        self.began, self.times, self.prompt_seen = time.perf_counter(), [], False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.prompt_seen:
+            self.times.append(time.perf_counter() - self.began)
+        self.prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
+class InProcess:
+    """The model and index loaded as ``teralm serve`` does, driving its ``Engine`` directly."""
+
+    name = "teralm in-process"
+
+    def __init__(self, run: Path, index: Path, max_batch: int):
+        from teralm.index import Index
+        from teralm.infer.engine import Engine
+        from teralm.infer.load import check_tokenizer, load_model
+        from teralm.infer.precision import default_device
+
+        ix = Index.open(index)
+        model, state, _ = load_model(run, default_device())
+        check_tokenizer(state, ix)
+        ix.longest_match([[0]])  # compile and warm the query kernels, as serve does
+        self.engine = Engine(model, ix, max_batch=max_batch)
+
+    def _complete(self, prompts: list[list[int]], n: int) -> list[list[float]]:
+        """Submit greedy completions of ``prompts`` at once; seconds to each new token of each."""
+        from teralm.infer.engine import Sequence, TokenEvent
+        from teralm.infer.sampling import Sampling
+
+        began = time.perf_counter()
+        times: list[list[float]] = [[] for _ in prompts]
+        errors: list[str] = []
+        finished = threading.Semaphore(0)
+
+        def listener(k: int) -> Callable[[TokenEvent], None]:
+            def on_event(event: TokenEvent) -> None:
+                if event.token is not None and not event.prompt:
+                    times[k].append(time.perf_counter() - began)
+                if event.error:
+                    errors.append(event.error)
+                if event.finish:
+                    finished.release()
+
+            return on_event
+
+        self.engine.submit(
+            [
+                Sequence(p, Sampling(max_tokens=n, temperature=0.0), listener(k))
+                for k, p in enumerate(prompts)
+            ]
+        )
+        for _ in prompts:
+            if not finished.acquire(timeout=600):
+                raise TimeoutError("the engine did not finish within 600 s")
+        if errors:
+            raise RuntimeError(f"the engine failed: {errors[0]}")
+        return times
+
+    def stream(self, prompt: list[int], n: int) -> list[float]:
+        return self._complete([prompt], n)[0]
+
+    def batch(self, prompts: list[list[int]], n: int) -> int:
+        return sum(map(len, self._complete(prompts, n)))
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class OverHTTP:
+    """A ``teralm serve`` subprocess: streamed or plain completions on /v1/completions."""
+
+    name = "teralm over HTTP"
+
+    def __init__(self, port: int):
+        self.port = port
+
+    def stream(self, prompt: list[int], n: int) -> list[float]:
+        began = time.perf_counter()
+        body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}
+        conn, response = post(self.port, body)
+        times = []
+        for line in response:
+            if line.startswith(b"data: {") and json.loads(line[6:]).get("choices"):
+                times.append(time.perf_counter() - began)
+        conn.close()
+        return times
+
+    def batch(self, prompts: list[list[int]], n: int) -> int:
+        made = [0] * len(prompts)
+
+        def client(k: int) -> None:
+            body = {"prompt": prompts[k], "max_tokens": n, "temperature": 0}
+            conn, response = post(self.port, body)
+            answer = json.loads(response.read())
+            conn.close()
+            made[k] = answer["usage"]["completion_tokens"] if response.status == 200 else 0
+
+        concurrently(client, len(prompts))
+        return sum(made)
+
+
+def measure(
+    system: System, prompts: list[list[int]], ttft_prompt: list[int], args: argparse.Namespace
+) -> dict:
+    """Single-stream tokens/s, batched tokens/s and the median time to first token."""
+    system.stream(prompts[0], 8)  # warm up
+    times = system.stream(prompts[0], args.stream_tokens)
+    began = time.perf_counter()
+    made = system.batch(prompts[: args.clients], args.max_tokens)
+    batch_s = time.perf_counter() - began
+    ttft = statistics.median(system.stream(ttft_prompt, 1)[0] for _ in range(args.repeats))
+    print(f"  {system.name}: done", flush=True)
+    return {
+        "system": system.name,
+        "single_tok_per_s": (len(times) - 1) / (times[-1] - times[0]),
+        "batch_tok_per_s": made / batch_s,
+        "ttft_ms": ttft * 1e3,
+    }
+
+
+# -- the server and the sustained load ----------------------------------------------------------
+
+
+def concurrently(work: Callable[[int], None], n: int) -> float:
+    """Run ``work(0) .. work(n - 1)`` in ``n`` threads; the wall seconds until all are done."""
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(n)]
+    began = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - began
+
+
+def post(port: int, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """POST ``body`` to /v1/completions; the open connection and its response."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     return conn, conn.getresponse()
 
 
 def metrics(port: int) -> dict[str, float]:
+    """The server's /metrics samples by name."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     conn.request("GET", "/metrics")
     text = conn.getresponse().read().decode()
@@ -44,25 +295,34 @@ def metrics(port: int) -> dict[str, float]:
     }
 
 
-def single_stream(port: int, prompt: str, tokens: int) -> dict:
-    began = time.perf_counter()
-    conn, response = post(
-        port, {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
-    )
-    first, count = None, 0
-    for line in response:
-        line = line.strip()
-        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-            continue
-        if first is None:
-            first = time.perf_counter() - began
-        count += 1
-    total = time.perf_counter() - began
-    conn.close()
-    return {"ttft_ms": first * 1e3, "tok_per_s": (count - 1) / (total - first)}
+@contextlib.contextmanager
+def serving(run: Path, index: Path, max_batch: int) -> Iterator[int]:
+    """A ``teralm serve`` subprocess on a free local port, ready; yields the port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "teralm.cli", "serve", "--index", str(index), "--run", str(run)]
+    cmd += ["--port", str(port), "--max-batch", str(max_batch)]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):
+            if server.poll() is not None:
+                sys.exit(f"teralm serve failed:\n{server.stderr.read()}")
+            try:
+                metrics(port)
+                break
+            except OSError:
+                time.sleep(0.5)
+        yield port
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
 
 
-def load(port: int, prompts: list[str], clients: int, seconds: float, max_tokens: int) -> dict:
+def load(
+    port: int, prompts: list[list[int]], clients: int, seconds: float, max_tokens: int
+) -> dict:
+    """``clients`` clients each sending completions (temperature 0.8) for ``seconds``."""
     latencies, errors, tokens = [], [0], [0]
     lock = threading.Lock()
     stop_at = time.perf_counter() + seconds
@@ -71,16 +331,14 @@ def load(port: int, prompts: list[str], clients: int, seconds: float, max_tokens
         i = k
         while time.perf_counter() < stop_at:
             began = time.perf_counter()
+            body = {
+                "prompt": prompts[i % len(prompts)],
+                "max_tokens": max_tokens,
+                "temperature": 0.8,
+                "seed": i,
+            }
             try:
-                conn, response = post(
-                    port,
-                    {
-                        "prompt": prompts[i % len(prompts)],
-                        "max_tokens": max_tokens,
-                        "temperature": 0.8,
-                        "seed": i,
-                    },
-                )
+                conn, response = post(port, body)
                 answer = json.loads(response.read())
                 conn.close()
                 ok = response.status == 200
@@ -95,20 +353,14 @@ def load(port: int, prompts: list[str], clients: int, seconds: float, max_tokens
             i += clients
 
     before = metrics(port)
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
-    began = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - began
+    wall = concurrently(client, clients)
     after = metrics(port)
-    lookup = (
-        after["teralm_index_lookup_seconds_total"] - before["teralm_index_lookup_seconds_total"]
-    )
-    model = after["teralm_model_seconds_total"] - before["teralm_model_seconds_total"]
+    spent = {k: after[k] - before[k] for k in after if k.endswith("_seconds_total")}
+    lookup = spent["teralm_index_lookup_seconds_total"]
+    model = spent["teralm_model_seconds_total"]
     lat = np.array(latencies) * 1e3
     return {
+        "clients": str(clients),
         "requests": len(latencies),
         "errors": errors[0],
         "tok_per_s": tokens[0] / wall,
@@ -118,62 +370,60 @@ def load(port: int, prompts: list[str], clients: int, seconds: float, max_tokens
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run", type=Path, default=QUALITY / "run-index")
-    parser.add_argument("--index", type=Path, default=QUALITY / "index")
-    parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--seconds", type=float, default=60)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    args = parser.parse_args()
-    if not (args.run / "latest.json").exists():
-        sys.exit(f"no trained run at {args.run}: run benchmarks/bench_quality.py first")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "teralm.cli",
-        "serve",
-        "--index",
-        str(args.index),
-        "--run",
-        str(args.run),
-        "--port",
-        str(port),
-        "--max-batch",
-        str(args.clients),
-    ]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        for _ in range(600):
-            try:
-                metrics(port)
-                break
-            except OSError:
-                time.sleep(0.5)
-        from teralm.index import Index
+# -- the report ---------------------------------------------------------------------------------
 
-        ix = Index.open(args.index)
-        held = [ix.document_range(d) for d in range(0, ix.num_documents, 50)]
-        prompts = [ix.decode(ix.tokens(a + 100, a + 164)) for a, b in held if b - a > 200]
-        single = single_stream(port, prompts[0], 128)
-        under_load = load(port, prompts, args.clients, args.seconds, args.max_tokens)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+
+def targets(rows: list[dict], under_load: dict) -> list[dict]:
+    """The issue's targets for teralm over HTTP (``rows``: HF, in-process, HTTP), each with its
+    value and pass/fail."""
+    hf, http_row = rows[0], rows[2]
+    ratio = http_row["single_tok_per_s"] / hf["single_tok_per_s"]
+    checks = [
+        (
+            "HTTP single stream >= 500 tokens/s",
+            f"{http_row['single_tok_per_s']:.0f}",
+            http_row["single_tok_per_s"] >= 500,
+        ),
+        ("HTTP single stream >= 1.5x HF in-process", f"{ratio:.2f}x", ratio >= 1.5),
+        (
+            f"{under_load['clients']} HTTP clients >= 3,000 tokens/s, 0 errors",
+            f"{under_load['tok_per_s']:.0f}, {under_load['errors']} errors",
+            under_load["tok_per_s"] >= 3000 and under_load["errors"] == 0,
+        ),
+        (
+            f"HTTP time to first token <= 20 ms ({TTFT_PROMPT_TOKENS}-token prompt)",
+            f"{http_row['ttft_ms']:.1f} ms",
+            http_row["ttft_ms"] <= 20,
+        ),
+    ]
+    return [{"target": t, "value": v, "result": "pass" if ok else "FAIL"} for t, v, ok in checks]
+
+
+def report(
+    run: Path, rows: list[dict], under_load: dict, checks: list[dict], args: argparse.Namespace
+) -> None:
+    """Print the systems' table, the sustained load's and the targets'."""
+    threads = torch.get_num_threads()
     print(
-        f"tiny model ({args.run}) with the pydocs index on the CPU; prompts of 64 bytes from "
-        f"held-out documents"
-    )
-    print(
-        f"single stream: time to first token {single['ttft_ms']:.0f} ms, "
-        f"{single['tok_per_s']:.1f} tokens/s"
+        f"\ntiny model ({run}) with the pydocs index, torch threads: {threads}; "
+        f"{PROMPT_TOKENS}-token prompts from held-out documents; greedy; load average "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}"
     )
     print(
         table(
-            [{"clients": str(args.clients), **under_load}],
+            rows,
+            [
+                ("system", "system", "s"),
+                ("single_tok_per_s", f"1 stream tok/s ({args.stream_tokens})", ".1f"),
+                ("batch_tok_per_s", f"{args.clients} prompts tok/s ({args.max_tokens})", ".1f"),
+                ("ttft_ms", f"TTFT ms ({TTFT_PROMPT_TOKENS} tok)", ".1f"),
+            ],
+        )
+    )
+    print(f"\n{args.clients} concurrent HTTP clients for {args.seconds:.0f} s, temperature 0.8")
+    print(
+        table(
+            [under_load],
             [
                 ("clients", "clients", "s"),
                 ("requests", "requests", "d"),
@@ -185,9 +435,49 @@ def main() -> None:
             ],
         )
     )
-    print(
-        f"wrote {save('bench_serve', {'single': single, 'load': under_load, 'clients': args.clients, 'seconds': args.seconds})}"
-    )
+    print()
+    print(table(checks, [("target", "target", "s"), ("value", "value", "s"), ("result", "", "s")]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run", type=Path, help="default: bench_quality's, or one trained here")
+    parser.add_argument("--index", type=Path, help="the run's index (with --run)")
+    parser.add_argument("--steps", type=int, default=30, help="steps of a run trained here")
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=60)
+    parser.add_argument("--max-tokens", type=int, default=32, help="per batched completion")
+    parser.add_argument("--stream-tokens", type=int, default=128, help="of the single stream")
+    parser.add_argument("--repeats", type=int, default=5, help="time-to-first-token tries")
+    args = parser.parse_args()
+    if (args.run is None) != (args.index is None):
+        sys.exit("give --run and --index together")
+    run, index = (args.run, args.index) if args.run else trained_run(args.steps)
+    if not (run / "latest.json").exists():
+        sys.exit(f"no trained run at {run}")
+    prompts = held_out_prompts(index, PROMPT_TOKENS)
+    ttft_prompt = held_out_prompts(index, TTFT_PROMPT_TOKENS)[0]
+    model_config = json.loads((run / "config.json").read_text())["config"]["model"]
+
+    rows = [measure(HFBaseline(model_config), prompts, ttft_prompt, args)]
+    engine = InProcess(run, index, args.clients)
+    rows.append(measure(engine, prompts, ttft_prompt, args))
+    engine.close()
+    with serving(run, index, args.clients) as port:
+        rows.append(measure(OverHTTP(port), prompts, ttft_prompt, args))
+        under_load = load(port, prompts, args.clients, args.seconds, args.max_tokens)
+    checks = targets(rows, under_load)
+    report(run, rows, under_load, checks, args)
+    payload = {
+        "systems": rows,
+        "load": under_load,
+        "targets": checks,
+        "settings": {k: str(v) for k, v in vars(args).items()},
+        "run": str(run),
+        "model": model_config,
+        "load_average": os.getloadavg(),
+    }
+    print(f"wrote {save('bench_serve', payload)}")
 
 
 if __name__ == "__main__":
