@@ -250,17 +250,20 @@ class Engine:
         else:
             seq.features = [(0, self.index.no_token)] * len(seq.prompt)
         self.stats.prompt_tokens += len(seq.prompt)
-        start = max(0, len(seq.tokens) - self.model.cfg.max_seq_len)
-        logits, gate = self._forward(seq, slot, start, len(seq.tokens))
-        seq.logits = self._logp(
-            [seq], [seq.tokens], logits[-1:], None if gate is None else gate[-1:]
-        )[0]
-        if seq.sampling.echo:
-            contexts = [seq.tokens[: start + i + 1] for i in range(logits.shape[0] - 1)]
-            rows = [seq] * len(contexts)
-            self._echo(
-                seq, self._logp(rows, contexts, logits[:-1], None if gate is None else gate[:-1])
-            )
+        window, n = self.model.cfg.max_seq_len, len(seq.tokens)
+        if seq.sampling.echo:  # the first token has nothing before it to be scored on
+            seq.on_event(TokenEvent(seq.tokens[0], None, None, prompt=True))
+        start = 0 if seq.sampling.echo else max(0, n - window)
+        while True:  # past one window, as generation goes on: from the previous one's half
+            stop = min(n, start + window)
+            logits, gate = self._forward(seq, slot, start, stop)
+            if seq.sampling.echo:
+                self._echo(seq, start + window // 2 if start else 1, start, logits, gate)
+            if stop == n:
+                break
+            start = stop - window // 2
+        last = None if gate is None else gate[-1:]
+        seq.logits = self._logp([seq], [seq.tokens], logits[-1:], last)[0]
         if seq.sampling.max_tokens == 0:
             seq.done = True
             seq.on_event(TokenEvent(None, finish="length"))
@@ -296,18 +299,20 @@ class Engine:
             self.stats.lookup_s += time.perf_counter() - began
         return next_token_logp(self.model, logits, gate, infgram)
 
-    def _echo(self, seq: Sequence, logp: torch.Tensor) -> None:
-        """Events for the prompt tokens: each one's log-probability given those before it
-        (``logp[i]``: the distribution after the window's token ``i``)."""
-        offset = len(seq.prompt) - logp.shape[0] - 1  # prompt tokens before the window
-        for i, token in enumerate(seq.prompt):
-            row = i - 1 - offset
-            if row < 0:
-                seq.on_event(TokenEvent(token, None, None, prompt=True))
-                continue
-            seq.on_event(
-                TokenEvent(token, float(logp[row, token]), self._top(seq, logp[row]), True)
-            )
+    def _echo(self, seq: Sequence, first: int, start: int, logits, gate) -> None:
+        """Events for prompt tokens ``first ..`` of a window cached from ``start`` (row ``r`` of
+        ``logits`` predicts token ``start + r + 1``): each token's log-probability given those
+        before it."""
+        stop = start + logits.shape[0]
+        if first >= stop:
+            return
+        rows = slice(first - 1 - start, stop - 1 - start)
+        tails = [seq.tokens[max(0, p - self.index.max_match) : p] for p in range(first, stop)]
+        logp = self._logp(
+            [seq] * len(tails), tails, logits[rows], None if gate is None else gate[rows]
+        )
+        for token, row in zip(seq.tokens[first:stop], logp):
+            seq.on_event(TokenEvent(token, float(row[token]), self._top(seq, row), True))
 
     def _top(self, seq: Sequence, logp: torch.Tensor) -> dict[int, float] | None:
         n = seq.sampling.logprobs

@@ -3,10 +3,16 @@ e4m3 bytes with the numbers of its dequantised weights."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 from serving import greedy, request, serve_in_thread
+from teralm.index.query import OnlineMatcher
+from teralm.infer.engine import Engine, Sequence
 from teralm.infer.fp8 import Fp8Embedding, Fp8Linear
 from teralm.infer.load import load_model
+from teralm.infer.mixture import infgram_probs, next_token_logp
+from teralm.infer.sampling import Sampling
 from teralm.model import ModelConfig, Transformer, checkpoint
 from teralm.model.transformer import Linear
 from test_cli import run_cli
@@ -70,3 +76,44 @@ def test_fp8_export_is_served_from_one_byte_per_parameter(tiny_run, tmp_path):
         code, answer = request(server["port"], "POST", "/v1/completions", body)
     assert code == 200, answer
     assert answer["choices"][0]["text"] == greedy(reference, ix, PROMPT, 16)
+
+
+@torch.no_grad()
+def test_echo_scores_every_token_of_a_prompt_longer_than_the_context(tiny_run):
+    """Past ``max_seq_len``, prompt tokens are scored in windows that restart from the previous
+    one's second half (as generation goes on): each equals a plain forward of its window."""
+    model, ix = tiny_run["model"], tiny_run["ix"]
+    window = model.cfg.max_seq_len
+    text = ix.decode(ix.tokens(0, ix.num_tokens))[: 3 * window]
+    prompt = [int(t) for t in ix.encode(text)]
+    events = []
+    engine = Engine(model, ix, max_batch=2)
+    try:
+        engine.submit([Sequence(prompt, Sampling(max_tokens=0, echo=True), events.append)])
+        deadline = time.time() + 120
+        while not (events and events[-1].finish) and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        engine.close()
+    scored = [e for e in events if e.prompt]
+    assert [e.token for e in scored] == prompt and scored[0].logprob is None
+
+    features = OnlineMatcher(ix).extend(prompt)
+    start, want = 0, {}
+    while True:  # the windowing rule, with full forwards
+        stop = min(len(prompt), start + window)
+        columns = (prompt, [f[1] for f in features], [f[0] for f in features])
+        logits, gate = model(*(torch.tensor([c[start:stop]]) for c in columns), True)
+        for p in range(start + window // 2 if start else 1, stop):
+            context = prompt[:p]
+            infgram = infgram_probs(ix, [context])
+            r = p - 1 - start
+            logp = next_token_logp(model, logits[0, r : r + 1], gate[0, r : r + 1], infgram)
+            want[p] = float(logp[0, prompt[p]])
+        if stop == len(prompt):
+            break
+        start = stop - window // 2
+    got = {p: e.logprob for p, e in enumerate(scored) if p}
+    assert got.keys() == want.keys()
+    for p in want:
+        assert abs(got[p] - want[p]) < 1e-4, p
