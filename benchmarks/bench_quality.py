@@ -12,15 +12,13 @@ Prints a table and writes benchmarks/results/bench_quality.json.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import shutil
-import sys
 
-from common import CACHE, SHARED_DATA, save, table, teralm_cli
+from common import CACHE, pydocs_index, save, table, teralm_cli
+
 from teralm.train.report import read_metrics
 
-PYDOCS = SHARED_DATA / "pydocs.jsonl.gz"
 WORK = CACHE / "quality"
 
 
@@ -30,15 +28,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=100_000)
     parser.add_argument("--precision", default="auto")
     args = parser.parse_args()
-    if not PYDOCS.exists():
-        sys.exit(f"{PYDOCS} not found: the benchmark reads the team's shared data folder")
-    data = WORK / "pydocs.jsonl"
-    if not data.exists():
-        WORK.mkdir(parents=True, exist_ok=True)
-        with gzip.open(PYDOCS, "rb") as f, open(data, "wb") as out:
-            shutil.copyfileobj(f, out)
-    index = WORK / "index"
-    teralm_cli("build-index", data, "--out", index, "--quiet")
+    _, index = pydocs_index()
 
     results = {}
     for name, extra in (("with index", []), ("without index", ["--no-index-input"])):

@@ -36,11 +36,10 @@ from typing import Protocol
 
 import numpy as np
 import torch
-from common import CACHE, SHARED_DATA, save, table, teralm_cli
+from common import CACHE, pydocs_index, save, table, teralm_cli
 
 QUALITY = CACHE / "quality"
 WORK = CACHE / "serve"
-PYDOCS = SHARED_DATA / "pydocs.jsonl.gz"
 PROMPT_TOKENS, TTFT_PROMPT_TOKENS = 64, 100
 
 
@@ -52,12 +51,9 @@ def trained_run(steps: int) -> tuple[Path, Path]:
     steps trained here on the pydocs index (random-ish weights are fine for speed)."""
     if (QUALITY / "run-index" / "latest.json").exists():
         return QUALITY / "run-index", QUALITY / "index"
-    run, index = WORK / "run", WORK / "index"
+    run = WORK / "run"
+    _, index = pydocs_index()
     if not (run / "latest.json").exists():
-        if not PYDOCS.exists():
-            sys.exit(f"{PYDOCS} not found: the benchmark reads the team's shared data folder")
-        if not (index / "manifest.json").exists():
-            teralm_cli("build-index", PYDOCS, "--out", index, "--quiet")
         cmd = ["train", "--index", index, "--out", run, "--preset", "tiny", "--quiet"]
         teralm_cli(*cmd, "--max-steps", steps)
     return run, index

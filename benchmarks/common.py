@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -14,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
 RESULTS = ROOT / "benchmarks" / "results"
 CACHE = ROOT / "benchmarks" / "cache"
+PYDOCS = SHARED_DATA / "pydocs.jsonl.gz"
 
 
 def run_measured(cmd: list[str], interval: float = 0.2, **kwargs) -> dict:
@@ -50,6 +53,22 @@ def teralm_cli(*args) -> str:
     if out.returncode:
         sys.exit(f"teralm {args[0]} failed:\n{out.stderr}")
     return out.stdout
+
+
+def pydocs_index() -> tuple[Path, Path]:
+    """The pydocs JSONL file and its byte index, built once under benchmarks/cache/quality and
+    shared by the benchmarks."""
+    if not PYDOCS.exists():
+        sys.exit(f"{PYDOCS} not found: the benchmark reads the team's shared data folder")
+    work = CACHE / "quality"
+    data = work / "pydocs.jsonl"
+    if not data.exists():
+        work.mkdir(parents=True, exist_ok=True)
+        with gzip.open(PYDOCS, "rb") as f, open(data, "wb") as out:
+            shutil.copyfileobj(f, out)
+    index = work / "index"
+    teralm_cli("build-index", data, "--out", index, "--quiet")
+    return data, index
 
 
 def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:

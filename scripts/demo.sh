@@ -31,7 +31,7 @@ echo "teralm query runs/stdlib-index 'def __init__(self, '"
 teralm query runs/stdlib-index "def __init__(self, "
 
 echo
-echo "teralm train --index runs/stdlib-index --out runs/stdlib-tiny --preset tiny --max-steps 150"
-teralm train --index runs/stdlib-index --out runs/stdlib-tiny --preset tiny --max-steps 150 --resume
+echo "teralm train --index runs/stdlib-index --out runs/stdlib-tiny --preset tiny --max-steps 120"
+teralm train --index runs/stdlib-index --out runs/stdlib-tiny --preset tiny --max-steps 120 --resume
 echo
 teralm sample runs/stdlib-tiny --index runs/stdlib-index --prompt "    def __init__(self" --tokens 160

@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
+
 from teralm.index import Index
 from teralm.index import format as fmt
 from teralm.infer.precision import autocast, choose_precision, default_device
@@ -17,7 +19,6 @@ from teralm.model import Transformer, checkpoint
 from teralm.model.transformer import index_lm_loss
 from teralm.train.config import RunConfig, TrainConfig
 from teralm.train.data import FragmentSampler
-from tqdm import tqdm
 
 METRICS = "metrics.jsonl"
 RUN_CONFIG = "config.json"
@@ -41,14 +42,15 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; matrices decay, vectors (norm weights, biases) do not."""
+    """AdamW, fused (one kernel for all parameters, on the CPU too); matrices decay, vectors
+    (norm weights, biases) do not."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": rest, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=False)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
 
 
 @dataclass
