@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 import torch
 from common import CACHE, ROOT, save, table, teralm_cli
+
 from teralm.index import Index
 from teralm.model import ModelConfig, Transformer, checkpoint
 from teralm.train.config import PRESETS, RunConfig

@@ -16,6 +16,8 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tqdm import tqdm
+
 from teralm.build_index import features, prefix, tokenize, verify
 from teralm.build_index.layout import Layout
 from teralm.build_index.monitor import PassStats, measure
@@ -23,7 +25,6 @@ from teralm.build_index.sources import resolve_source
 from teralm.index import format as fmt
 from teralm.index.catalog import Catalog, unit_key
 from teralm.index.tokenizer import ByteTokenizer, load_tokenizer, parse_tokenizer_spec
-from tqdm import tqdm
 
 
 class BuildError(Exception):

@@ -15,6 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+
 from teralm.build_index.layout import Layout
 from teralm.index import format as fmt
 from teralm.kernels import match as km

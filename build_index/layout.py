@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from teralm.index import format as fmt
 from teralm.index.reader import ShardedTokens
 

@@ -11,11 +11,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
+
 from teralm.build_index.sources import Source, SourceError
 from teralm.index import format as fmt
 from teralm.index.catalog import Catalog, doc_key, unit_key
 from teralm.index.tokenizer import BPETokenizer, Tokenizer
-from tqdm import tqdm
 
 BPE_SAMPLE_BYTES = 64 << 20
 BATCH_BYTES = 8 << 20

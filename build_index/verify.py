@@ -6,12 +6,13 @@ from pathlib import Path
 
 import lmdb
 import numpy as np
+from tqdm import tqdm
+
 from teralm.build_index.layout import Layout
 from teralm.index import format as fmt
 from teralm.index.catalog import Catalog
 from teralm.index.reader import decode_features, open_match
 from teralm.kernels import match as km
-from tqdm import tqdm
 
 COMPARE_LIMIT = 4096
 BRUTE_FORCE_WINDOW = 1 << 28  # sampled positions lie in the first 2^28 tokens (memory, time)

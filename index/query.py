@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
+
 from teralm.index import format as fmt
 from teralm.index.reader import Index
 from teralm.kernels import query as kq

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import lmdb
 import numpy as np
+
 from teralm.index import format as fmt
 from teralm.index.catalog import Catalog
 from teralm.index.tokenizer import load_tokenizer

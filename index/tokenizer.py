@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
+
 from teralm.index.format import TOKENIZER, token_dtype
 
 

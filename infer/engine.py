@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
 from teralm.index import Index
 from teralm.index.query import OnlineMatcher, push_all
 from teralm.infer.mixture import infgram_probs, next_token_logp

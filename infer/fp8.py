@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from teralm.kernels.fp8 import E4M3, has_fp8_matmul, quantize_fp8, scaled_mm
 from teralm.model.transformer import Linear
-from torch import nn
 
 
 class Fp8Linear(nn.Module):

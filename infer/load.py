@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from teralm.index import Index
 from teralm.infer.fp8 import load_fp8
 from teralm.infer.precision import PrecisionChoice, choose_precision

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
 from teralm.index import Index
 from teralm.model import Transformer
 from teralm.model.transformer import mixture_logp

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from teralm.kernels.fp8 import has_fp8_matmul
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, njit, types
 from numba.extending import intrinsic
+
 from teralm.index.format import IndexDamaged
 from teralm.kernels.match import _doc_depth
 

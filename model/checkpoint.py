@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+
 from teralm.index import format as fmt
 from teralm.kernels.fp8 import E4M3, quantize_fp8
 

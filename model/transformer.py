@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from teralm.kernels.fp8 import Fp8Matmul, Int8Matmul
 from teralm.model.config import PRECISIONS, ModelConfig
 from teralm.model.kv_cache import KVCache, LayerCache
-from torch import nn
 
 
 class Linear(nn.Module):

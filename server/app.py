@@ -30,6 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from teralm.infer.engine import Engine, Sequence, TokenEvent
 from teralm.infer.sampling import Sampling
 from teralm.server.guard import Guard, RequestMetrics, api_key_check

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from teralm.build_index import BuildConfig, build
 from teralm.index import Index
 
@@ -59,6 +60,7 @@ def tiny_run(tmp_path_factory) -> dict:
     """A tiny model trained for 30 steps on a built index, for the server tests: the index, the
     run folder and the model loaded from it."""
     import torch
+
     from teralm.infer.load import load_model
     from teralm.model import ModelConfig
     from teralm.train.config import RunConfig, TrainConfig

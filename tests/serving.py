@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import torch
 import uvicorn
+
 from teralm.index import Index
 from teralm.index.query import OnlineMatcher
 from teralm.infer.engine import Engine

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import build_docs, random_documents, write_jsonl
+
 from teralm.index import Index
 
 ENV = {**os.environ, "TQDM_DISABLE": "1"}

@@ -14,11 +14,12 @@ import numpy as np
 import psutil
 import pytest
 from conftest import write_jsonl
+from test_cli import assert_clean_failure, content_files, run_cli
+
 from teralm.build_index import BuildConfig, build
 from teralm.build_index.sources import SourceError
 from teralm.index import format as fmt
 from teralm.index.catalog import Catalog
-from test_cli import assert_clean_failure, content_files, run_cli
 
 SHARD_TOKENS = 100_000
 PAGE = 4096

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import build_docs, random_documents
-from teralm.index import Index, IndexDamaged
 
 from teralm.cli import main
+from teralm.index import Index, IndexDamaged
 
 TERALM = str(Path(sys.executable).with_name("teralm"))
 ENV = {**os.environ, "TQDM_DISABLE": "1"}

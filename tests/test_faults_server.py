@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 from serving import KEY, greedy, metric, request, serve_in_thread, wait_until_idle
+
 from teralm.infer.engine import Sequence
 from teralm.infer.sampling import Sampling
 from teralm.server.protocol import Limits

@@ -6,8 +6,9 @@ import json
 import shutil
 
 import pytest
-from teralm.model import checkpoint
 from test_train import TINY, corpus, run_cli  # noqa: F401 (corpus is a fixture)
+
+from teralm.model import checkpoint
 
 CKPT = "ckpt-00000004"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import build_docs, random_documents
+
 from teralm.index import Index
 from teralm.index import format as fmt
 from teralm.kernels.match import brute_force_features

@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+
 from teralm.kernels.fp8 import (
     E4M3,
     E5M2,

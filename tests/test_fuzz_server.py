@@ -16,6 +16,7 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 from serving import KEY, serve_in_thread
+
 from teralm.server.protocol import Limits
 
 AUTH = {"Authorization": f"Bearer {KEY}"}

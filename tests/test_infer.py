@@ -7,6 +7,9 @@ import time
 
 import torch
 from serving import greedy, request, serve_in_thread
+from test_cli import run_cli
+from torch import nn
+
 from teralm.index.query import OnlineMatcher
 from teralm.infer.engine import Engine, Sequence
 from teralm.infer.fp8 import Fp8Embedding, Fp8Linear
@@ -15,8 +18,6 @@ from teralm.infer.mixture import infgram_probs, next_token_logp
 from teralm.infer.sampling import Sampling
 from teralm.model import ModelConfig, Transformer, checkpoint
 from teralm.model.transformer import Linear
-from test_cli import run_cli
-from torch import nn
 
 PROMPT = "abcab"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from teralm.kernels import match as km
 from teralm.kernels.sort import sort_shard, sort_shard_reference
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from teralm.model import ModelConfig, Transformer
 from teralm.model.kv_cache import KVCache
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from teralm.model import ModelConfig, Transformer
 from teralm.model.transformer import IndexInput, length_bucket, lm_loss
 

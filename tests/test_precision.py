@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import build_docs, random_documents
+
 from teralm.infer import choose_precision
 from teralm.model import ModelConfig, Transformer
 from teralm.train.config import PRESETS, RunConfig, TrainConfig

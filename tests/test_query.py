@@ -7,8 +7,9 @@ from collections import Counter
 import numpy as np
 import pytest
 from conftest import build_docs, random_documents
-from teralm.index.query import OnlineMatcher, push_all
 from test_features import doc_ids_of
+
+from teralm.index.query import OnlineMatcher, push_all
 
 
 def occurrences(x, doc_ids, suffix) -> list[int]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import SHARED_DATA, write_jsonl
+
 from teralm.build_index import BuildConfig, build
 from teralm.build_index.layout import Layout
 from teralm.build_index.verify import verify

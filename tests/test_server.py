@@ -17,6 +17,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from serving import KEY, free_port, greedy, request, wait_until_up
+
 from teralm.index.tokenizer import ByteTokenizer
 from teralm.server.text import TextStream, token_bytes
 
@@ -300,6 +301,7 @@ def test_playground_renders_and_streams_in_headless_chromium(served):
 
 def test_serve_refuses_another_tokenizer_and_loads_fp8_exports(served, tmp_path):
     from conftest import write_jsonl
+
     from teralm.build_index import BuildConfig, build
 
     ix = served["ix"]

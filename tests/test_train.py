@@ -12,9 +12,10 @@ import time
 import numpy as np
 import pytest
 from conftest import build_docs, random_documents
+from test_features import doc_ids_of
+
 from teralm.train.data import FragmentSampler, training_spans
 from teralm.train.evaluate import causal_infgram
-from test_features import doc_ids_of
 
 TINY = """
 [model]

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import tomllib
+
 from teralm.model.config import ModelConfig
 
 SCHEDULES = ("cosine", "wsd")

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from tqdm import tqdm
+
 from teralm.index import Index
 from teralm.infer.precision import autocast
 from teralm.model import Transformer
 from teralm.model.transformer import index_lm_loss
 from teralm.train.data import causal_infgram, fragment, held_out
-from tqdm import tqdm
 
 INFGRAM_EPSILON = 0.01  # the ∞-gram alone mixes in this much of the uniform distribution
 LAMBDAS = np.round(np.arange(0.05, 1.0, 0.05), 2)
