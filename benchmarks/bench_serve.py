@@ -38,6 +38,8 @@ import numpy as np
 import torch
 from common import CACHE, pydocs_index, save, table, teralm_cli
 
+from teralm.infer.precision import inference_threads
+
 QUALITY = CACHE / "quality"
 WORK = CACHE / "serve"
 PROMPT_TOKENS, TTFT_PROMPT_TOKENS = 64, 100
@@ -454,6 +456,7 @@ def main() -> None:
     prompts = held_out_prompts(index, PROMPT_TOKENS)
     ttft_prompt = held_out_prompts(index, TTFT_PROMPT_TOKENS)[0]
     model_config = json.loads((run / "config.json").read_text())["config"]["model"]
+    torch.set_num_threads(inference_threads())  # what `teralm serve` runs with, for all three
 
     rows = [measure(HFBaseline(model_config), prompts, ttft_prompt, args)]
     engine = InProcess(run, index, args.clients)

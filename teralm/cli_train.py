@@ -67,6 +67,7 @@ def add_parsers(sub) -> None:
     )
     v.add_argument("--timeout", type=_positive(float), default=120.0, help="seconds per request")
     _add_precision(v)
+    v.add_argument("--threads", type=_positive(int), help="CPU threads (default: cores - 1)")
 
     x = sub.add_parser("export-fp8", help="write a run's model with fp8 weights")
     x.add_argument("run", type=Path)
@@ -168,10 +169,12 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _sample(args: argparse.Namespace) -> int:
+    import torch
+
     from teralm.index import Index
     from teralm.infer.engine import Engine
     from teralm.infer.load import check_tokenizer
-    from teralm.infer.precision import default_device
+    from teralm.infer.precision import default_device, inference_threads
     from teralm.infer.sampling import Sampling
 
     try:
@@ -180,6 +183,7 @@ def _sample(args: argparse.Namespace) -> int:
         check_tokenizer(state, ix)
     except ValueError as e:
         return _fail("sample", str(e))
+    torch.set_num_threads(inference_threads())
     prompt = [int(t) for t in ix.encode(args.prompt)]
     sampling = Sampling(args.tokens, args.temperature, args.top_p, args.top_k, seed=args.seed)
     engine = Engine(model, ix, max_batch=1)
@@ -228,7 +232,7 @@ def _serve(args: argparse.Namespace) -> int:
     from teralm.index import Index
     from teralm.infer.engine import Engine
     from teralm.infer.load import check_tokenizer
-    from teralm.infer.precision import default_device
+    from teralm.infer.precision import default_device, inference_threads
     from teralm.server.app import create_app
     from teralm.server.protocol import Limits
 
@@ -238,7 +242,7 @@ def _serve(args: argparse.Namespace) -> int:
         check_tokenizer(state, ix)
     except ValueError as e:
         return _fail("serve", str(e))
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(args.threads or inference_threads())
     ix.longest_match([[0]])  # compile and warm the query kernels before the first request
     engine = Engine(model, ix, max_batch=args.max_batch)
     limits = Limits(
