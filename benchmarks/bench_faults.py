@@ -42,9 +42,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
-from common import SHARED_DATA, save, table
+from common import PYDOCS, TERALM, save, table
 
-PYDOCS = SHARED_DATA / "pydocs.jsonl.gz"
+from teralm.model import checkpoint
+from teralm.train.report import read_metrics
+
 PASSES = ("tokenize", "sort", "features", "finalize")
 PASS_BARS = ("pass 1/4", "pass 2/4", "pass 3/4", "checksums")  # progress bar titles
 TRAIN_BAR = re.compile(r"^train.*?(\d+)/\d+ \[")
@@ -277,7 +279,7 @@ def untimed(value):
 def run_differences(ref: Path, out: Path) -> list[str]:
     """How training run ``out`` differs from ``ref``: logged losses, final weights and optimizer."""
     diffs = [] if logged_losses(ref) == logged_losses(out) else ["logged losses differ"]
-    final = json.loads((ref / "latest.json").read_text())["checkpoint"]
+    final = json.loads((ref / checkpoint.LATEST).read_text())["checkpoint"]
     for name in ("model.safetensors", "optimizer.safetensors"):
         theirs = out / final / name
         if not theirs.exists() or not filecmp.cmp(ref / final / name, theirs, shallow=False):
@@ -286,8 +288,7 @@ def run_differences(ref: Path, out: Path) -> list[str]:
 
 
 def logged_losses(run_dir: Path) -> dict[int, float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir)}
 
 
 # --------------------------------------------------------------------------------- the trials
@@ -332,7 +333,9 @@ class Setup:
 
     def build_cmd(self, out: Path) -> list[str]:
         return [
-            *(sys.executable, "-m", "teralm.cli", "build-index", str(self.corpus)),
+            *TERALM,
+            "build-index",
+            str(self.corpus),
             *("--out", str(out), "--workers", "2", "--shard-tokens", str(self.shard_tokens)),
         ]
 
@@ -526,7 +529,10 @@ def train_trials(
 
     def cmd(out: Path) -> list[str]:
         return [
-            *(sys.executable, "-m", "teralm.cli", "train", "--index", str(setup.reference)),
+            *TERALM,
+            "train",
+            "--index",
+            str(setup.reference),
             *("--out", str(out), "--preset", "tiny", "--precision", precision, "--resume"),
             *("--max-steps", str(steps), "--checkpoint-every", str(every)),
         ]

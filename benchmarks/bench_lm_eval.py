@@ -35,11 +35,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import CACHE, SHARED_DATA, save, table, teralm_cli
+from common import CACHE, PYDOCS, save, serve_process, table, teralm_cli
 
 WORK = CACHE / "lm_eval"
 QUALITY = CACHE / "quality"
-PYDOCS = SHARED_DATA / "pydocs.jsonl.gz"
 UNSEEN_EVERY = 50  # pydocs' suggested split: documents with id % 50 == 0 are the test set
 STOPS = ["\n", "\n\n", "```", ".. ", "\nclass "]  # more than OpenAI's 4, as humaneval sends
 
@@ -80,14 +79,6 @@ metric_list:
         "exact_match",
     ),
 }
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(port: int, path: str, body: dict) -> dict:
@@ -230,23 +221,8 @@ def main() -> None:
     unseen, seen = sources()
     run, index = (args.run, args.index) if args.run else tiny_run(seen, args.steps)
     data = write_tasks(unseen, seen, WORK / "tasks", args.items, args.size)
-    port, model = free_port(), f"teralm-{run.resolve().name}"
-    cmd = ["serve", "--index", index, "--run", run, "--port", port]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "teralm.cli", *map(str, cmd)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    rows = []
-    try:
-        for _ in range(600):
-            try:
-                post(port, "/tokenize", {"prompt": ""})
-                break
-            except OSError:
-                assert server.poll() is None, server.stderr.read()
-                time.sleep(0.5)
+    model, rows = f"teralm-{run.resolve().name}", []
+    with serve_process(run, index) as (port, _):
         for task, (kind, _, metric) in TASKS.items():
             results, wall = lm_eval(task, model, port, WORK / "tasks")
             rows.append(
@@ -260,9 +236,6 @@ def main() -> None:
                 }
             )
         echo = server_bits_per_byte(port, [d["text"] for d in data["teralm_rolling"]])
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
     rows.append(
         {
             "task": "teralm_rolling",

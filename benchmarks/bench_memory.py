@@ -12,8 +12,6 @@ benchmarks/results/bench_memory.json.
 from __future__ import annotations
 
 import argparse
-import socket
-import subprocess
 import sys
 import time
 import urllib.request
@@ -21,10 +19,10 @@ from pathlib import Path
 
 import psutil
 import torch
-from common import CACHE, ROOT, save, table, teralm_cli
+from common import CACHE, ROOT, save, serve_process, table, teralm_cli
 
 from teralm.index import Index
-from teralm.model import ModelConfig, Transformer, checkpoint
+from teralm.model import Transformer, checkpoint
 from teralm.train.config import PRESETS, RunConfig
 
 MIB = 2**20
@@ -36,49 +34,25 @@ def make_run(preset: str, ix: Index, run: Path) -> int:
     shape = {**PRESETS[preset]["model"], "precision": "fp32"}
     shape.update(vocab_size=ix.vocab_size, max_match=ix.max_match)
     config = RunConfig.from_dict({**PRESETS[preset], "model": shape})
-    model = Transformer(ModelConfig.from_dict(shape))
+    model = Transformer(config.model)
     optimizer = torch.optim.AdamW(model.parameters())
     state = {"config": config.to_dict(), "index": ix.identity(), "tokens": 0, "wall_s": 0.0}
     checkpoint.save(run, 0, model, optimizer, state)
     return model.num_parameters()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def served_rss(index: Path, model: Path) -> dict:
     """RSS of a `teralm serve` of ``model`` once up, and after one 32-token completion."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "teralm.cli", "serve", "--index", index, "--run", model]
-    cmd += ["--max-batch", MAX_BATCH]
-    proc = subprocess.Popen(
-        [*map(str, cmd), "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        began = time.perf_counter()
-        while True:
-            if proc.poll() is not None:
-                sys.exit(f"teralm serve failed:\n{proc.stderr.read().decode()}")
-            try:
-                urllib.request.urlopen(f"{base}/health", timeout=5)
-                break
-            except OSError:
-                time.sleep(0.5)
+    began = time.perf_counter()
+    with serve_process(model, index, "--max-batch", MAX_BATCH) as (port, server):
         up_s = time.perf_counter() - began
-        idle = psutil.Process(proc.pid).memory_info().rss
+        idle = psutil.Process(server.pid).memory_info().rss
         body = b'{"prompt": "def main(", "max_tokens": 32}'
         request = urllib.request.Request(
-            f"{base}/v1/completions", body, {"Content-Type": "application/json"}
+            f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
         )
         urllib.request.urlopen(request, timeout=600).read()
-        busy = psutil.Process(proc.pid).memory_info().rss
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        busy = psutil.Process(server.pid).memory_info().rss
     return {"start_s": up_s, "rss_idle_mib": idle / MIB, "rss_after_mib": busy / MIB}
 
 

@@ -20,23 +20,20 @@ benchmarks/results/bench_serve.json.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import http.client
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 import torch
-from common import CACHE, pydocs_index, save, table, teralm_cli
+from common import CACHE, pydocs_index, save, serve_process, table, teralm_cli
 
 from teralm.infer.precision import inference_threads
 
@@ -293,30 +290,6 @@ def metrics(port: int) -> dict[str, float]:
     }
 
 
-@contextlib.contextmanager
-def serving(run: Path, index: Path, max_batch: int) -> Iterator[int]:
-    """A ``teralm serve`` subprocess on a free local port, ready; yields the port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "teralm.cli", "serve", "--index", str(index), "--run", str(run)]
-    cmd += ["--port", str(port), "--max-batch", str(max_batch)]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        for _ in range(600):
-            if server.poll() is not None:
-                sys.exit(f"teralm serve failed:\n{server.stderr.read()}")
-            try:
-                metrics(port)
-                break
-            except OSError:
-                time.sleep(0.5)
-        yield port
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-
-
 def load(
     port: int, prompts: list[list[int]], clients: int, seconds: float, max_tokens: int
 ) -> dict:
@@ -462,7 +435,7 @@ def main() -> None:
     engine = InProcess(run, index, args.clients)
     rows.append(measure(engine, prompts, ttft_prompt, args))
     engine.close()
-    with serving(run, index, args.clients) as port:
+    with serve_process(run, index, "--max-batch", args.clients) as (port, _):
         rows.append(measure(OverHTTP(port), prompts, ttft_prompt, args))
         under_load = load(port, prompts, args.clients, args.seconds, args.max_tokens)
     checks = targets(rows, under_load)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import shutil
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -17,6 +21,7 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 RESULTS = ROOT / "benchmarks" / "results"
 CACHE = ROOT / "benchmarks" / "cache"
 PYDOCS = SHARED_DATA / "pydocs.jsonl.gz"
+TERALM = [sys.executable, "-m", "teralm.cli"]  # the CLI in this Python
 
 
 def run_measured(cmd: list[str], interval: float = 0.2, **kwargs) -> dict:
@@ -47,12 +52,40 @@ def run_measured(cmd: list[str], interval: float = 0.2, **kwargs) -> dict:
 
 def teralm_cli(*args) -> str:
     """Run ``teralm ARGS...`` in this Python; its stdout, or exit with its stderr on failure."""
-    out = subprocess.run(
-        [sys.executable, "-m", "teralm.cli", *map(str, args)], capture_output=True, text=True
-    )
+    out = subprocess.run([*TERALM, *map(str, args)], capture_output=True, text=True)
     if out.returncode:
         sys.exit(f"teralm {args[0]} failed:\n{out.stderr}")
     return out.stdout
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_process(run: Path, index: Path, *flags) -> Iterator[tuple[int, subprocess.Popen]]:
+    """``teralm serve`` of ``run`` with ``index`` on a free local port, once /health answers:
+    yields the port and the process (exits with its stderr if it dies first)."""
+    port = free_port()
+    cmd = [*TERALM, "serve", "--index", index, "--run", run, "--port", port, *flags]
+    server = subprocess.Popen(
+        list(map(str, cmd)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        while True:
+            if server.poll() is not None:
+                sys.exit(f"teralm serve failed:\n{server.stderr.read()}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except OSError:
+                time.sleep(0.5)
+        yield port, server
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
 
 
 def pydocs_index() -> tuple[Path, Path]:

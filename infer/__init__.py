@@ -1,4 +1,5 @@
-"""What sampling, evaluation and serving share: device and precision choice."""
+"""What sampling, evaluation and serving share: loading, device and precision, the ∞-gram
+mixture step, one sampler and the generation engine (``teralm.infer.*``)."""
 
 from teralm.infer.precision import PrecisionChoice, choose_precision
 

@@ -22,7 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from teralm.index import Index
 from teralm.index.query import OnlineMatcher, push_all
@@ -63,8 +62,7 @@ class Sequence:
     generated: int = 0
     cancelled: bool = False
     done: bool = False
-    cache_start: int = 0  # the token the first cached entry belongs to
-    logits: torch.Tensor | None = None  # log-probabilities of the next token
+    logp: torch.Tensor | None = None  # log-probabilities of the next token
     matcher: OnlineMatcher | None = None
     generator: torch.Generator | None = None
 
@@ -264,7 +262,7 @@ class Engine:
                 break
             start = stop - window // 2
         last = None if gate is None else gate[-1:]
-        seq.logits = self._logp([seq], [seq.tokens], logits[-1:], last)[0]
+        seq.logp = self._logp([seq], [seq.tokens], logits[-1:], last)[0]
         if seq.sampling.max_tokens == 0:
             seq.done = True
             seq.on_event(TokenEvent(None, finish="length"))
@@ -275,7 +273,6 @@ class Engine:
         as_row = lambda xs: torch.tensor([xs], dtype=torch.long, device=self.device)  # noqa: E731
         features = seq.features[start:stop]
         self.cache.lengths[slot] = 0
-        seq.cache_start = start
         began = time.perf_counter()
         with autocast(self.device, self.precision):
             logits, gate = self.model.decode(
@@ -326,8 +323,7 @@ class Engine:
         if seq.done or seq.cancelled:
             return
         s = seq.sampling
-        token = sample_token(seq.logits, s, seq.generator)
-        logp = F.log_softmax(seq.logits, dim=-1)
+        token, logp = sample_token(seq.logp, s, seq.generator), seq.logp
         seq.tokens.append(token)
         seq.generated += 1
         self.stats.tokens += 1
@@ -368,4 +364,4 @@ class Engine:
             seqs, [s.tokens for s in seqs], logits[:, -1], None if gate is None else gate[:, -1]
         )
         for seq, row in zip(seqs, logp):
-            seq.logits = row
+            seq.logp = row

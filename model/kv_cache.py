@@ -12,27 +12,27 @@ from teralm.model.config import ModelConfig
 @dataclass
 class LayerCache:
     """One layer's view of the slots a decode call covers (``keys``/``values`` [B, H, L, D]):
-    where its tokens go (``positions`` [B, T]) and each query's distance to every key slot in
-    use (``gap`` [B, T, used]; negative for keys after the query)."""
+    where its tokens go (``rows`` [B, 1] and ``positions`` [B, T]), and each query's distance
+    to every key slot in use (``gap`` [B, T, used]; negative for keys after the query, which
+    ``later`` marks)."""
 
     keys: torch.Tensor
     values: torch.Tensor
+    rows: torch.Tensor
     positions: torch.Tensor
     gap: torch.Tensor
+    later: torch.Tensor
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
     ) -> torch.Tensor:
         """Store ``k``, ``v`` [B, H, T, D] at their positions, then attend ``q`` to every earlier
         key of its own slot (within ``window`` when set)."""
-        rows = torch.arange(q.shape[0], device=q.device)[:, None]
-        self.keys[rows, :, self.positions] = k.transpose(1, 2).to(self.keys.dtype)
-        self.values[rows, :, self.positions] = v.transpose(1, 2).to(self.values.dtype)
+        self.keys[self.rows, :, self.positions] = k.transpose(1, 2).to(self.keys.dtype)
+        self.values[self.rows, :, self.positions] = v.transpose(1, 2).to(self.values.dtype)
         used = self.gap.shape[-1]
         keys, values = self.keys[:, :, :used].to(q.dtype), self.values[:, :, :used].to(q.dtype)
-        hidden = self.gap < 0
-        if window is not None:
-            hidden |= self.gap >= window
+        hidden = self.later if window is None else self.later | (self.gap >= window)
         # explicit softmax attention: for a few queries it is many times faster on the CPU
         # than the fused kernel with a mask
         scores = (q @ keys.transpose(-1, -2)) * q.shape[-1] ** -0.5
@@ -63,9 +63,11 @@ class KVCache:
         device = self.keys[0].device
         positions = (start[:, None] + torch.arange(tokens)).to(device)
         gap = positions[:, :, None] - torch.arange(used, device=device)
-        rows = slice(first, first + batch)
+        rows, later = torch.arange(batch, device=device)[:, None], gap < 0
+        slots = slice(first, first + batch)
         return [
-            LayerCache(k[rows], v[rows], positions, gap) for k, v in zip(self.keys, self.values)
+            LayerCache(k[slots], v[slots], rows, positions, gap, later)
+            for k, v in zip(self.keys, self.values)
         ]
 
     def move(self, source: int, target: int) -> None:

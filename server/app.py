@@ -249,6 +249,7 @@ class CompletionService:
         self.ix = engine.index
         self.pieces = token_bytes(self.ix.tokenizer)  # every token's bytes and text, once
         self.texts = token_texts(self.pieces)
+        self.line_start = [int(t) for t in self.ix.encode("\n")]  # what an empty prompt holds
         self.started = now()
 
     def check_model(self, model: str | None) -> None:
@@ -318,7 +319,7 @@ class CompletionService:
                 f"prompt of {len(tokens)} tokens; the limit is {self.limits.max_prompt_tokens}",
                 param="prompt",
             )
-        return tokens or [int(t) for t in self.ix.encode("\n")]  # an empty prompt starts a line
+        return tokens or list(self.line_start)
 
     def _check_limits(self, body: CompletionRequest) -> int:
         """``max_tokens``, once the request is known to be within the limits."""
@@ -351,10 +352,11 @@ class CompletionService:
             for i, p in enumerate(prompts)
             for j in range(body.n)
         ]
-        self.engine.submit([c.seq for c in choices])
         index = None
-        if body.index:  # teralm's extra field: the index's view of the (first) prompt
+        if body.index:  # teralm's extra field: the index's view of the (first) prompt; looked
+            # up before the sequences are queued, so that its failure leaves nothing running
             index = await asyncio.to_thread(self.lookup, self.ix.decode(prompts[0]))
+        self.engine.submit([c.seq for c in choices])
         return Job(self.model_name, choices, wake, index)
 
     async def collect(self, job: Job, request: Request) -> Completion:
