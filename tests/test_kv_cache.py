@@ -1,5 +1,6 @@
 """The preallocated KV cache against full forwards: sequences of different lengths, admitted and
-finished at different steps, moved between slots as the engine does."""
+finished at different steps, moved between slots as the engine does, through the model's own
+decode and through the fused CPU kernel (teralm.kernels.decode)."""
 
 from __future__ import annotations
 
@@ -7,23 +8,34 @@ import numpy as np
 import pytest
 import torch
 
+from teralm.infer.decoder import MAX_ROWS, Decoder, fused_decode_fits
+from teralm.kernels.decode import length_bucket as kernel_length_bucket
 from teralm.model import ModelConfig, Transformer
 from teralm.model.kv_cache import KVCache
+from teralm.model.transformer import length_bucket
 
 CONFIG = ModelConfig(
     vocab_size=50, n_layer=3, n_head=2, d_model=32, max_seq_len=40, attention="tscale", window=6,
     local_fraction=0.5, max_match=15,
 )  # fmt: skip
+PLAIN = ModelConfig(
+    vocab_size=50, n_layer=2, n_head=2, d_model=32, max_seq_len=40, mlp="swiglu",
+    index_input=False, max_match=15,
+)  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def model() -> Transformer:
+def random_model(config: ModelConfig) -> Transformer:
     torch.manual_seed(0)
-    model = Transformer(CONFIG).eval()
+    model = Transformer(config).eval()
     with torch.no_grad():  # no zero-initialised projections: every path must matter
         for p in model.parameters():
             p.normal_(0, 0.3)
     return model
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    return random_model(CONFIG)
 
 
 class Text:
@@ -39,36 +51,42 @@ class Text:
         self.next_token += self.rng.integers(0, CONFIG.vocab_size + 1, n).tolist()
         self.match_len += self.rng.integers(0, CONFIG.max_match + 1, n).tolist()
 
-    def rows(self, start: int, stop: int | None = None) -> tuple[torch.Tensor, ...]:
-        return tuple(
-            torch.tensor([xs[start:stop]]) for xs in (self.tokens, self.next_token, self.match_len)
-        )
+    def lists(self, start: int, stop: int | None = None) -> tuple[list[int], ...]:
+        return tuple(xs[start:stop] for xs in (self.tokens, self.next_token, self.match_len))
 
 
 def full_forward(model: Transformer, text: Text) -> tuple[torch.Tensor, torch.Tensor]:
-    logits, gate = model(*text.rows(0), with_gate=True)
-    return logits[0], gate[0]
+    logits, gate = model(*(torch.tensor([xs]) for xs in text.lists(0)), with_gate=True)
+    return logits[0], part(gate, 0)
+
+
+def part(gate: torch.Tensor | None, *index) -> torch.Tensor | None:
+    """``gate[index]``, or None for a model without a mixture gate."""
+    return None if gate is None else gate[index]
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_cache_matches_full_forward(model, seed):
+@pytest.mark.parametrize("fused", [False, True], ids=["model", "fused"])
+@pytest.mark.parametrize(("config", "seed"), [(CONFIG, 1), (CONFIG, 2), (CONFIG, 3), (PLAIN, 4)])
+def test_cache_matches_full_forward(config, seed, fused):
+    model = random_model(config)
     rng = np.random.default_rng(seed)
-    cache = KVCache(CONFIG, slots=4, device=torch.device("cpu"), dtype=torch.float32)
+    cache = KVCache(config, slots=4, device=torch.device("cpu"), dtype=torch.float32)
+    decoder = Decoder(model, cache, fused)
     running: list[Text] = []  # running[i] lives in slot i
-    admitted = finished = 0
+    admitted = finished = ragged = 0
     for _ in range(30):
         if len(running) < cache.slots and rng.random() < 0.5:  # admit: prefill the prompt
             text = Text(rng, int(rng.integers(1, 12)))
             slot = len(running)
             cache.lengths[slot] = 0
-            logits, gate = model.decode(*text.rows(0), cache, first=slot)
+            logits, gate = decoder.decode(*text.lists(0), [len(text.tokens)], first=slot)
             want_logits, want_gate = full_forward(model, text)
-            torch.testing.assert_close(logits[0], want_logits, atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(gate[0], want_gate, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
+            assert_gates_close(gate, want_gate)
             running.append(text)
             admitted += 1
-        done = [t for t in running if len(t.tokens) >= CONFIG.max_seq_len or rng.random() < 0.1]
+        done = [t for t in running if len(t.tokens) >= config.max_seq_len - 3 or rng.random() < 0.1]
         for text in done:  # finish: the last running sequence takes the freed slot
             i = running.index(text)
             last = running.pop()
@@ -78,20 +96,68 @@ def test_cache_matches_full_forward(model, seed):
             finished += 1
         if not running:
             continue
-        for text in running:  # one decode step for every running sequence, in one batch
-            text.grow(1)
-        batch = [torch.cat([t.rows(-1)[k] for t in running]) for k in range(3)]
-        logits, gate = model.decode(*batch, cache)
-        for b, text in enumerate(running):
+        # one step for every running sequence, in one batch: one new token each, or a few
+        # (a speculative step), as many as each sequence has
+        counts = [int(rng.choice([1, 1, 3])) for _ in running]
+        ragged += len(set(counts)) > 1
+        for text, n in zip(running, counts):
+            text.grow(n)
+        rows = [sum((t.lists(-n)[k] for t, n in zip(running, counts)), []) for k in range(3)]
+        logits, gate = decoder.decode(*rows, counts)
+        offset = 0
+        for b, (text, n) in enumerate(zip(running, counts)):
             want_logits, want_gate = full_forward(model, text)
-            torch.testing.assert_close(logits[b, -1], want_logits[-1], atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(gate[b, -1], want_gate[-1], atol=1e-4, rtol=1e-4)
+            mine = slice(offset, offset + n)
+            torch.testing.assert_close(logits[mine], want_logits[-n:], atol=1e-4, rtol=1e-4)
+            assert_gates_close(part(gate, mine), part(want_gate, slice(-n, None)))
             assert int(cache.lengths[b]) == len(text.tokens)
-    assert admitted >= 4 and finished >= 2  # the schedule exercised admission and moves
+            offset += n
+    assert admitted >= 4 and finished >= 2 and ragged  # admission, moves and ragged steps ran
 
 
-def test_cache_refuses_positions_beyond_max_seq_len(model):
+def assert_gates_close(gate: torch.Tensor | None, want: torch.Tensor | None) -> None:
+    assert (gate is None) == (want is None)
+    if want is not None:
+        torch.testing.assert_close(gate, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["model", "fused"])
+def test_cache_refuses_positions_beyond_max_seq_len(model, fused):
     cache = KVCache(CONFIG, slots=1, device=torch.device("cpu"), dtype=torch.float32)
+    decoder = Decoder(model, cache, fused)
     text = Text(np.random.default_rng(0), CONFIG.max_seq_len + 1)
+    decoder.decode(*text.lists(0, CONFIG.max_seq_len - 2), [CONFIG.max_seq_len - 2])
     with pytest.raises(ValueError, match="max_seq_len"):
-        model.decode(*text.rows(0), cache)
+        decoder.decode(*text.lists(CONFIG.max_seq_len - 2), [3])
+    assert int(cache.lengths[0]) == CONFIG.max_seq_len - 2  # nothing was written
+
+
+@torch.no_grad()
+def test_fused_decoder_hands_large_calls_to_the_model():
+    """Past MAX_ROWS new tokens (a long prompt) the model's batched products run instead:
+    both write the same cache."""
+    config = ModelConfig(**{**CONFIG.to_dict(), "max_seq_len": MAX_ROWS + 8})
+    model = random_model(config)
+    cache = KVCache(config, slots=1, device=torch.device("cpu"), dtype=torch.float32)
+    decoder = Decoder(model, cache, fused=True)
+    text = Text(np.random.default_rng(5), MAX_ROWS + 4)
+    decoder.decode(*text.lists(0, MAX_ROWS + 1), [MAX_ROWS + 1])  # the model's path
+    logits, _ = decoder.decode(*text.lists(MAX_ROWS + 1), [3])  # the kernel's
+    want = full_forward(model, text)[0][MAX_ROWS + 1 :]
+    torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+
+
+def test_kernel_length_buckets_are_the_models():
+    lengths = np.arange(0, 1 << 16)
+    want = length_bucket(torch.from_numpy(lengths)).numpy()
+    assert [kernel_length_bucket(n) for n in lengths] == want.tolist()
+
+
+def test_fused_decoder_runs_only_what_it_computes_exactly(model):
+    assert fused_decode_fits(model)
+    bf16 = Transformer(ModelConfig(**{**CONFIG.to_dict(), "precision": "bf16"}))
+    assert not fused_decode_fits(bf16)
+    cache = KVCache(CONFIG, slots=1, device=torch.device("cpu"), dtype=torch.float32)
+    assert not Decoder(bf16, cache).fused
+    with pytest.raises(ValueError, match="fp32"):
+        Decoder(bf16, cache, fused=True)

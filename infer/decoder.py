@@ -1,0 +1,130 @@
+"""New tokens of cached sequences through the model: the fused CPU kernel (teralm.kernels.decode)
+for small steps when it computes what the model does, else ``Transformer.decode``."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba.typed import List
+
+from teralm.infer.fp8 import Fp8Embedding, Fp8Linear
+from teralm.kernels.decode import forward_rows
+from teralm.model import Transformer
+from teralm.model.kv_cache import KVCache
+
+MAX_ROWS = 48  # above this many new tokens per call, PyTorch's matrix products are faster
+
+
+def fused_decode_fits(model: Transformer) -> bool:
+    """Whether the kernel computes what ``model`` does: fp32 arithmetic on the CPU, with plain
+    (not fp8-export) matrices."""
+    return (
+        model.cfg.precision == "fp32"
+        and next(model.buffers()).device.type == "cpu"
+        and not any(isinstance(m, (Fp8Linear, Fp8Embedding)) for m in model.modules())
+    )
+
+
+def _array(t: torch.Tensor) -> np.ndarray:
+    return t.detach().numpy()  # shares memory with the tensor
+
+
+def _empty(*shape: int) -> np.ndarray:
+    return np.zeros(shape, dtype=np.float32)
+
+
+class Decoder:
+    """``decode`` runs new tokens of the sequences cached in consecutive slots of ``cache``:
+    ``counts[b]`` tokens for slot ``first + b``, flattened in slot order. Calls of up to
+    ``MAX_ROWS`` tokens go through the kernel when ``fused`` (default: when it fits the
+    model), reading the parameters and the cache in place; the others through the model."""
+
+    def __init__(self, model: Transformer, cache: KVCache, fused: bool | None = None):
+        self.model, self.cache = model, cache
+        self.fused = fused_decode_fits(model) if fused is None else fused
+        if self.fused and not fused_decode_fits(model):
+            raise ValueError("the fused decoder runs fp32 models on the CPU only")
+        if self.fused:
+            self._args = self._kernel_arguments()
+
+    def decode(
+        self,
+        tokens: list[int],
+        next_token: list[int],
+        match_len: list[int],
+        counts: list[int],
+        first: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [N, vocab] and mixture gate logits [N] (None without a mixture) of the
+        ``N = sum(counts)`` tokens; their keys and values are added to the cache. ValueError
+        when a sequence would pass ``max_seq_len``."""
+        B, lengths = len(counts), self.cache.lengths.numpy()  # shares memory with the cache's
+        start = lengths[first : first + B]
+        if int((start + np.asarray(counts)).max()) > self.cache.max_len:
+            raise ValueError(f"positions beyond max_seq_len {self.cache.max_len}")
+        if self.fused and sum(counts) <= MAX_ROWS:
+            return self._fused(tokens, next_token, match_len, counts, first)
+        columns = [torch.tensor(xs, device=self.cache.keys[0].device) for xs in (tokens, next_token, match_len)]  # fmt: skip
+        if len(set(counts)) == 1:  # one batched call
+            return self._flat(
+                *self.model.decode(*(c.view(B, -1) for c in columns), self.cache, first)
+            )
+        outputs, offset = [], 0
+        for b, n in enumerate(counts):
+            rows = [c[offset : offset + n].view(1, n) for c in columns]
+            outputs.append(self._flat(*self.model.decode(*rows, self.cache, first + b)))
+            offset += n
+        logits, gates = zip(*outputs)
+        return torch.cat(logits), None if gates[0] is None else torch.cat(gates)
+
+    @staticmethod
+    def _flat(logits: torch.Tensor, gate: torch.Tensor | None):
+        return logits.flatten(0, 1).float(), None if gate is None else gate.flatten()
+
+    def _fused(self, tokens, next_token, match_len, counts, first):
+        lengths = self.cache.lengths.numpy()
+        n, counts = sum(counts), np.asarray(counts)
+        ends = np.cumsum(counts)
+        slots = np.repeat(np.arange(first, first + len(counts)), counts)
+        positions = lengths[slots] + np.arange(n) - np.repeat(ends - counts, counts)
+        logits = np.empty((n, self.model.cfg.vocab_size), dtype=np.float32)
+        gate = np.empty(n, dtype=np.float32)
+        as_array = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
+        forward_rows(
+            as_array(tokens), as_array(next_token), as_array(match_len), slots, positions,
+            **self._args, logits=logits, gate=gate,
+        )  # fmt: skip
+        lengths[first : first + len(counts)] += counts
+        has_gate = self.model.mixture_gate is not None
+        return torch.from_numpy(logits), torch.from_numpy(gate) if has_gate else None
+
+    def _kernel_arguments(self) -> dict:
+        """The kernel's view of the model and the cache: arrays sharing their memory."""
+        model, cfg = self.model, self.model.cfg
+        blocks, d = model.blocks, cfg.d_model
+        per_layer = lambda get: List([_array(get(b)) for b in blocks])  # noqa: E731
+        index, mix = model.index_input, model.mixture_gate
+        return dict(
+            embed=_array(model.embed.weight),
+            next_embed=_array(index.next_embed.weight) if index else _empty(0, d),
+            length_embed=_array(index.length_embed.weight) if index else _empty(0, d),
+            gate_w=_array(index.gate.weight) if index else _empty(0, d),
+            gate_b=_array(index.gate.bias) if index else _empty(0),
+            attn_norm=per_layer(lambda b: b.attn_norm.weight),
+            qkv_w=per_layer(lambda b: b.attn.qkv.weight),
+            q_norm=per_layer(lambda b: b.attn.q_norm.weight),
+            k_norm=per_layer(lambda b: b.attn.k_norm.weight),
+            proj_w=per_layer(lambda b: b.attn.proj.weight),
+            mlp_norm=per_layer(lambda b: b.mlp_norm.weight),
+            up_w=per_layer(lambda b: b.mlp.up.weight),
+            down_w=per_layer(lambda b: b.mlp.down.weight),
+            windows=np.array([cfg.window if cfg.windowed(i) else 0 for i in range(cfg.n_layer)]),
+            norm=_array(model.norm.weight),
+            mix_w=_array(mix.weight) if mix is not None else _empty(0, d),
+            mix_b=_array(mix.bias) if mix is not None else _empty(1),
+            cos=_array(model.rope_cos),
+            sin=_array(model.rope_sin),
+            keys=List(map(_array, self.cache.keys)),
+            values=List(map(_array, self.cache.values)),
+            swiglu=cfg.mlp == "swiglu",
+        )
