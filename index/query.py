@@ -10,6 +10,7 @@ depend on how the corpus was sharded.
 
 from __future__ import annotations
 
+import copy
 import threading
 from dataclasses import dataclass
 from functools import cached_property
@@ -336,6 +337,12 @@ class OnlineMatcher:
 
     def push(self, token: int) -> tuple[int, int]:
         return push_all([self], [token])[0]
+
+    def copy(self) -> OnlineMatcher:
+        """An independent matcher in this one's state (to try tokens ahead)."""
+        twin = copy.copy(self)
+        twin.text = list(self.text)
+        return twin
 
     def extend(self, tokens) -> list[tuple[int, int]]:
         return [self.push(int(t)) for t in tokens]

@@ -3,10 +3,16 @@
 A worker thread owns the model and a KV cache preallocated for ``max_batch`` sequences; running
 sequence ``i`` lives in cache slot ``i`` (a finished one's slot goes to the last running
 sequence). Each loop the engine admits waiting sequences (one prefill each, taking requests in
-turn), samples one token for every running sequence, looks it up in the index (the online
-matcher, so the model sees the features it was trained with), then runs one batched forward of
-the new tokens with one batched ∞-gram query. A sequence whose context reached ``max_seq_len``
-restarts its cache from the second half of its context. Callers talk to the engine through
+turn), samples the next tokens of every running sequence, looks the newest up in the index (the
+online matcher, so the model sees the features it was trained with), then runs one batched
+forward of the new tokens with one batched ∞-gram query. A sequence whose context reached
+``max_seq_len`` restarts its cache from the second half of its context.
+
+Speculation: where the index's longest match is long, the tokens that follow it in the corpus
+are likely next. The engine drafts up to ``speculate`` of them and runs them in the same forward
+as the newest token; sampling then keeps each draft with the probability the model gives it
+(``check_draft``), so the output is distributed as without drafts (greedy: identical), and one
+forward can yield several tokens. A rejected draft's cache entries are dropped. Callers talk to the engine through
 ``Sequence`` objects: events come back through a callback, ``cancel()`` stops one. Work on one
 sequence that fails ends that sequence alone, with an error event; a failed batched step ends
 the sequences in it.
@@ -25,9 +31,10 @@ import torch
 
 from teralm.index import Index
 from teralm.index.query import OnlineMatcher, push_all
+from teralm.infer.decoder import Decoder
 from teralm.infer.mixture import infgram_probs, next_token_logp
 from teralm.infer.precision import autocast
-from teralm.infer.sampling import Sampling, sample_token
+from teralm.infer.sampling import Sampling, check_draft, sample_token
 from teralm.model import Transformer
 from teralm.model.kv_cache import KVCache
 
@@ -62,7 +69,9 @@ class Sequence:
     generated: int = 0
     cancelled: bool = False
     done: bool = False
-    logp: torch.Tensor | None = None  # log-probabilities of the next token
+    logp: torch.Tensor | None = None  # [1 + drafts, vocab]: after the newest token and each draft
+    drafts: list[int] = field(default_factory=list)
+    draft_states: list[tuple[OnlineMatcher, tuple[int, int]]] = field(default_factory=list)
     matcher: OnlineMatcher | None = None
     generator: torch.Generator | None = None
 
@@ -109,18 +118,35 @@ class WaitingRoom:
 class EngineStats:
     tokens: int = 0
     prompt_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
     model_s: float = 0.0
     lookup_s: float = 0.0
 
 
+DRAFT_MIN_MATCH = 8  # draft only what follows a match at least this long
+DRAFT_TOKENS = 8  # the most drafts per sequence and step
+DRAFT_ROWS = 16  # drafts fill a step up to this many rows (a large batch gains nothing)
+
+
 class Engine:
-    def __init__(self, model: Transformer, index: Index, max_batch: int = 16):
+    """``speculate``: the most drafted tokens per sequence and step (0: none; default: as many
+    as ``DRAFT_TOKENS`` with the fused CPU decoder, where a few more rows cost little, else
+    none)."""
+
+    def __init__(
+        self, model: Transformer, index: Index, max_batch: int = 16, speculate: int | None = None
+    ):
         self.model = model.eval()
         self.index = index
         self.device = next(model.buffers()).device
         self.precision = model.cfg.precision
         dtype = torch.float32 if self.precision == "fp32" else torch.bfloat16
         self.cache = KVCache(model.cfg, max_batch, self.device, dtype)
+        self.decoder = Decoder(model, self.cache)
+        self.speculate = (
+            (DRAFT_TOKENS if self.decoder.fused else 0) if speculate is None else speculate
+        )
         self.max_batch = max_batch
         self.waiting = WaitingRoom()
         self.active: list[Sequence] = []  # active[i] is cached in slot i
@@ -174,8 +200,8 @@ class Engine:
         torch.set_grad_enabled(False)
         while not self._stop.is_set():
             self._admit()
-            for seq in self.active:
-                self._try(seq, self._sample)
+            for slot, seq in enumerate(self.active):
+                self._try(seq, self._sample, slot)
             self._retire()
             self._look_up(self.active)
             if self.active:
@@ -262,7 +288,7 @@ class Engine:
                 break
             start = stop - window // 2
         last = None if gate is None else gate[-1:]
-        seq.logp = self._logp([seq], [seq.tokens], logits[-1:], last)[0]
+        seq.logp = self._logp([seq], [seq.tokens], logits[-1:], last)
         if seq.sampling.max_tokens == 0:
             seq.done = True
             seq.on_event(TokenEvent(None, finish="length"))
@@ -270,20 +296,18 @@ class Engine:
     def _forward(self, seq: Sequence, slot: int, start: int, stop: int):
         """Cache ``tokens[start:stop]`` afresh in ``slot``: their logits [T, vocab] and gate
         logits [T] (or None)."""
-        as_row = lambda xs: torch.tensor([xs], dtype=torch.long, device=self.device)  # noqa: E731
-        features = seq.features[start:stop]
         self.cache.lengths[slot] = 0
+        features = seq.features[start:stop]
+        return self._run_model(seq.tokens[start:stop], features, [stop - start], slot)
+
+    def _run_model(self, tokens, features, counts, first=0):
+        """The decoder on new tokens with their (match length, next token) features."""
         began = time.perf_counter()
         with autocast(self.device, self.precision):
-            logits, gate = self.model.decode(
-                as_row(seq.tokens[start:stop]),
-                as_row([f[1] for f in features]),
-                as_row([f[0] for f in features]),
-                self.cache,
-                first=slot,
-            )
+            lengths, nexts = zip(*features)
+            logits, gate = self.decoder.decode(tokens, nexts, lengths, counts, first)
         self.stats.model_s += time.perf_counter() - began
-        return logits[0].float(), None if gate is None else gate[0]
+        return logits, gate
 
     def _logp(self, seqs: list[Sequence], contexts: list[list[int]], logits, gate) -> torch.Tensor:
         """Next-token log-probabilities after each context (row ``b`` of ``seqs[b]``), mixed
@@ -319,15 +343,35 @@ class Engine:
         values, ids = torch.topk(logp, min(n, logp.shape[0]))
         return {int(i): float(v) for i, v in zip(ids, values)}
 
-    def _sample(self, seq: Sequence) -> None:
+    def _sample(self, seq: Sequence, slot: int) -> None:
+        """The next token, or several when drafts are kept: each draft is checked in turn
+        until one is rejected (the checker's token replaces it) or all are kept (one more
+        token is sampled after them). The cache keeps the entries of kept drafts only."""
         if seq.done or seq.cancelled:
             return
-        s = seq.sampling
-        token, logp = sample_token(seq.logp, s, seq.generator), seq.logp
+        kept = 0
+        for row, logp in enumerate(seq.logp):
+            draft = seq.drafts[row] if row < len(seq.drafts) else None
+            if draft is None:
+                token = sample_token(logp, seq.sampling, seq.generator)
+            else:
+                token = check_draft(logp, draft, seq.sampling, seq.generator)
+            self._emit(seq, token, logp)
+            if token != draft or seq.done or seq.cancelled:
+                break
+            kept += 1
+            seq.matcher, features = seq.draft_states[row]
+            seq.features.append(features)
+        self.cache.lengths[slot] -= len(seq.drafts) - kept
+        self.stats.drafted += len(seq.drafts)
+        self.stats.accepted += kept
+        seq.drafts, seq.draft_states = [], []
+
+    def _emit(self, seq: Sequence, token: int, logp: torch.Tensor) -> None:
         seq.tokens.append(token)
         seq.generated += 1
         self.stats.tokens += 1
-        finish = "length" if seq.generated >= s.max_tokens else None
+        finish = "length" if seq.generated >= seq.sampling.max_tokens else None
         event = TokenEvent(token, float(logp[token]), self._top(seq, logp), finish=finish)
         seq.done = finish is not None
         seq.on_event(event)
@@ -350,18 +394,39 @@ class Engine:
                 self._fail(seq, e)
 
     def _step(self, seqs: list[Sequence]) -> None:
-        column = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)[:, None]  # noqa: E731
-        began = time.perf_counter()
-        with autocast(self.device, self.precision):
-            logits, gate = self.model.decode(
-                column([s.tokens[-1] for s in seqs]),
-                column([s.features[-1][1] for s in seqs]),
-                column([s.features[-1][0] for s in seqs]),
-                self.cache,
+        """One forward of every sequence's newest token and its drafts."""
+        spare = max(0, DRAFT_ROWS - len(seqs))
+        for slot, seq in enumerate(seqs):
+            room = min(
+                self.speculate,
+                spare,
+                seq.sampling.max_tokens - seq.generated - 1,
+                self.model.cfg.max_seq_len - int(self.cache.lengths[slot]) - 1,
             )
-        self.stats.model_s += time.perf_counter() - began
-        logp = self._logp(
-            seqs, [s.tokens for s in seqs], logits[:, -1], None if gate is None else gate[:, -1]
-        )
-        for seq, row in zip(seqs, logp):
-            seq.logp = row
+            if seq.use_index and room > 0:
+                self._draft(seq, room)
+                spare -= len(seq.drafts)
+        counts = [1 + len(s.drafts) for s in seqs]
+        tokens = [t for s in seqs for t in (s.tokens[-1], *s.drafts)]
+        features = [f for s in seqs for f in (s.features[-1], *(f for _, f in s.draft_states))]
+        logits, gate = self._run_model(tokens, features, counts)
+        owners = [s for s, n in zip(seqs, counts) for _ in range(n)]
+        tail = self.index.max_match
+        contexts = [s.tokens[-tail:] + s.drafts[:i] for s, n in zip(seqs, counts) for i in range(n)]
+        logp = self._logp(owners, contexts, logits, gate)
+        for seq, rows in zip(seqs, logp.split(counts)):
+            seq.logp = rows
+
+    def _draft(self, seq: Sequence, room: int) -> None:
+        """Up to ``room`` tokens that follow the newest one in the corpus, while the index's
+        match stays at least ``DRAFT_MIN_MATCH`` long; with the features and the matcher state
+        after each."""
+        matcher, (length, follower) = seq.matcher, seq.features[-1]
+        while (
+            len(seq.drafts) < room and length >= DRAFT_MIN_MATCH and follower != self.index.no_token
+        ):
+            matcher = matcher.copy()
+            features = matcher.push(follower)
+            seq.drafts.append(follower)
+            seq.draft_states.append((matcher, features))
+            length, follower = features

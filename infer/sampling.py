@@ -34,6 +34,25 @@ def sample_token(logp: torch.Tensor, s: Sampling, generator: torch.Generator) ->
     always keeps the most likely token."""
     if s.temperature < GREEDY_BELOW:
         return int(logp.argmax())
+    return int(torch.multinomial(_probabilities(logp, s), 1, generator=generator))
+
+
+def check_draft(logp: torch.Tensor, draft: int, s: Sampling, generator: torch.Generator) -> int:
+    """The next token where ``draft`` was proposed for it: ``draft`` with the probability
+    ``sample_token`` gives it, else a draw from ``sample_token``'s distribution without it.
+    Speculative sampling with a one-hot proposal (Leviathan et al., 2023): the token comes out
+    distributed exactly as ``sample_token``'s; greedy, it is the most likely token."""
+    if s.temperature < GREEDY_BELOW:
+        return int(logp.argmax())
+    probs = _probabilities(logp, s)
+    if float(torch.rand(1, generator=generator)) < float(probs[draft]):
+        return draft
+    probs[draft] = 0.0
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _probabilities(logp: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """The distribution ``s`` samples from (temperature, then top-k, then top-p)."""
     scaled = (logp - logp.max()) / s.temperature  # the best token at 0: nothing overflows
     if s.top_k:
         cutoff = torch.topk(scaled, min(s.top_k, scaled.shape[0])).values[-1]
@@ -44,4 +63,4 @@ def sample_token(logp: torch.Tensor, s: Sampling, generator: torch.Generator) ->
         drop = probs.cumsum(0) - probs >= s.top_p  # the mass of the tokens before each one
         drop[0] = False
         scaled[order[drop]] = float("-inf")
-    return int(torch.multinomial(torch.softmax(scaled, -1), 1, generator=generator))
+    return torch.softmax(scaled, -1)

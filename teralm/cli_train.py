@@ -46,6 +46,7 @@ def add_parsers(sub) -> None:
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--seed", type=int, default=0)
     _add_precision(s)
+    _add_speculate(s)
 
     v = sub.add_parser("serve", help="serve a run and its index over HTTP (OpenAI-compatible)")
     v.add_argument("--index", type=Path, required=True)
@@ -67,6 +68,7 @@ def add_parsers(sub) -> None:
     )
     v.add_argument("--timeout", type=_positive(float), default=120.0, help="seconds per request")
     _add_precision(v)
+    _add_speculate(v)
     v.add_argument("--threads", type=_positive(int), help="CPU threads (default: cores - 1)")
 
     x = sub.add_parser("export-fp8", help="write a run's model with fp8 weights")
@@ -80,6 +82,23 @@ def _add_precision(parser: argparse.ArgumentParser) -> None:
         choices=(AUTO, *PRECISIONS),
         help="auto: bf16 on a GPU or a CPU with native bf16, else fp32",
     )
+
+
+def _add_speculate(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--speculate",
+        type=_count,
+        help="tokens drafted from the index per step and checked in the same forward (0: none;"
+        " default: 8 where the fused CPU decoder runs, else 0); greedy output is unchanged, sampled output keeps its distribution",
+    )
+
+
+def _count(text: str) -> int:
+    """An argparse type: an int of 0 or more."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is below 0")
+    return value
 
 
 def _positive(kind: type) -> Callable[[str], int | float]:
@@ -186,7 +205,7 @@ def _sample(args: argparse.Namespace) -> int:
     torch.set_num_threads(inference_threads())
     prompt = [int(t) for t in ix.encode(args.prompt)]
     sampling = Sampling(args.tokens, args.temperature, args.top_p, args.top_k, seed=args.seed)
-    engine = Engine(model, ix, max_batch=1)
+    engine = Engine(model, ix, max_batch=1, speculate=args.speculate)
     try:
         for use_index in [True, False] if model.cfg.index_input else [False]:
             (out,) = engine.generate([prompt], sampling, use_index)
@@ -244,7 +263,7 @@ def _serve(args: argparse.Namespace) -> int:
         return _fail("serve", str(e))
     torch.set_num_threads(args.threads or inference_threads())
     ix.longest_match([[0]])  # compile and warm the query kernels before the first request
-    engine = Engine(model, ix, max_batch=args.max_batch)
+    engine = Engine(model, ix, max_batch=args.max_batch, speculate=args.speculate)
     limits = Limits(
         max_prompt_tokens=args.max_prompt_tokens,
         max_tokens=args.max_tokens,
@@ -253,7 +272,11 @@ def _serve(args: argparse.Namespace) -> int:
     )
     name = f"teralm-{args.run.resolve().name}"
     app = create_app(engine, name, limits, key)
+    decoder = "fused CPU kernel" if engine.decoder.fused else "PyTorch"
     print(f"serving {name} with {args.index} on http://{args.host}:{args.port}", flush=True)
+    print(
+        f"decoder: {decoder}; drafts from the index: up to {engine.speculate} per step", flush=True
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     engine.close()
     return 0

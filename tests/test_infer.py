@@ -3,8 +3,11 @@ e4m3 bytes with the numbers of its dequantised weights."""
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 
+import pytest
 import torch
 from serving import greedy, request, serve_in_thread
 from test_cli import run_cli
@@ -15,7 +18,8 @@ from teralm.infer.engine import Engine, Sequence
 from teralm.infer.fp8 import Fp8Embedding, Fp8Linear
 from teralm.infer.load import load_model
 from teralm.infer.mixture import infgram_probs, next_token_logp
-from teralm.infer.sampling import Sampling
+from teralm.infer.sampling import Sampling, check_draft
+from teralm.infer.sampling import _probabilities as sampler_distribution
 from teralm.model import ModelConfig, Transformer, checkpoint
 from teralm.model.transformer import Linear
 
@@ -118,3 +122,91 @@ def test_echo_scores_every_token_of_a_prompt_longer_than_the_context(tiny_run):
     assert got.keys() == want.keys()
     for p in want:
         assert abs(got[p] - want[p]) < 1e-4, p
+
+
+def generate_events(engine: Engine, prompts: list[list[int]], sampling: Sampling) -> list[list]:
+    """Every prompt's token events from one submission (the prompts share the batch)."""
+    events: list[list] = [[] for _ in prompts]
+    finished = threading.Semaphore(0)
+
+    def collector(out: list) -> Callable:
+        def on_event(event) -> None:
+            out.append(event)
+            if event.finish:
+                finished.release()
+
+        return on_event
+
+    engine.submit([Sequence(p, sampling, collector(e)) for p, e in zip(prompts, events)])
+    for _ in prompts:
+        assert finished.acquire(timeout=120)
+    return events
+
+
+@pytest.fixture(scope="module")
+def model_without_mixture(tiny_run, tmp_path_factory) -> Transformer:
+    """A tiny model trained briefly with the index's features but no ∞-gram mixture: it
+    follows the index's drafts only as far as it has learnt to."""
+    from teralm.model import ModelConfig
+    from teralm.train.config import RunConfig, TrainConfig
+    from teralm.train.loop import train
+
+    shape = ModelConfig(n_layer=2, n_head=2, d_model=32, max_seq_len=48, index_mixture=False)
+    steps = TrainConfig(batch_size=4, seq_len=32, max_steps=30, warmup_steps=3)
+    folder = tmp_path_factory.mktemp("no-mixture")
+    train(tiny_run["ix"], RunConfig(shape, steps), folder, progress=False)
+    return load_model(folder, torch.device("cpu"))[0]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mixture", [True, False], ids=["mixture", "no-mixture"])
+def test_drafts_from_the_index_change_no_greedy_token_nor_logprob(
+    tiny_run, model_without_mixture, mixture
+):
+    """Speculation keeps a draft only where greedy decoding picks it: the tokens, their
+    log-probabilities and the finish are those of one token per step, and of the plain
+    full-forward reference. The model with the ∞-gram mixture keeps drafts; the one without
+    rejects some."""
+    ix = tiny_run["ix"]
+    model = tiny_run["model"] if mixture else model_without_mixture
+    text = ix.decode(ix.tokens(*ix.document_range(3)))  # corpus text: long matches to draft from
+    starts = [(0, 20), (40, 9), (100, 16), (150, 1)]
+    prompts = [[int(t) for t in ix.encode(text[a : a + n])] for a, n in starts]
+    sampling = Sampling(max_tokens=24, temperature=0, logprobs=2)
+    runs = {}
+    for speculate in (0, 8):
+        engine = Engine(model, ix, max_batch=4, speculate=speculate)
+        try:
+            runs[speculate] = generate_events(engine, prompts, sampling), engine.stats
+        finally:
+            engine.close()
+    (plain, plain_stats), (drafted, stats) = runs[0], runs[8]
+    assert plain_stats.drafted == 0
+    assert stats.accepted > 0 if mixture else stats.drafted > stats.accepted
+    for a, b in zip(plain, drafted):
+        assert [e.token for e in a] == [e.token for e in b] and len(a) == 24
+        assert [e.finish for e in a] == [e.finish for e in b]
+        for x, y in zip(a, b):
+            assert abs(x.logprob - y.logprob) < 1e-4 and x.top.keys() == y.top.keys()
+    want = greedy(model, ix, text[:20], 24)
+    assert ix.decode([e.token for e in drafted[0]]) == want
+
+
+def test_checking_a_draft_samples_the_samplers_distribution():
+    """Keeping the draft with its probability, else drawing from the rest, gives every token
+    the probability the sampler gives it, whatever the draft (here for temperature, top-k and
+    top-p), and the most likely token when greedy."""
+    logp = torch.log_softmax(torch.tensor([2.0, 1.5, 1.0, 0.2, -1.0, -3.0]), dim=-1)
+    n, generator = 5000, torch.Generator().manual_seed(1)
+    for sampling in (
+        Sampling(temperature=0.8),
+        Sampling(temperature=1.3, top_k=4),
+        Sampling(temperature=1.0, top_p=0.8),
+    ):
+        want = sampler_distribution(logp, sampling)
+        for draft in (0, 3):
+            draws = [check_draft(logp, draft, sampling, generator) for _ in range(n)]
+            got = torch.bincount(torch.tensor(draws), minlength=6) / n
+            assert (got - want).abs().max() < 0.03, (sampling, draft, got, want)
+    greedy_sampling = Sampling(temperature=0)
+    assert {check_draft(logp, d, greedy_sampling, torch.Generator()) for d in range(6)} == {0}
