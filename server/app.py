@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from teralm.infer.engine import Engine, Sequence, TokenEvent
 from teralm.infer.sampling import Sampling
+from teralm.infer.text import TextStream, token_bytes, token_texts
 from teralm.server.guard import Guard, RequestMetrics, api_key_check
 from teralm.server.protocol import (
     ApiError,
@@ -61,7 +62,6 @@ from teralm.server.protocol import (
     error_response,
     now,
 )
-from teralm.server.text import TextStream, token_bytes, token_texts
 
 log = logging.getLogger("teralm.server")
 ERRORS = {  # as the OpenAPI document shows them: any route may answer these

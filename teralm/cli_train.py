@@ -45,6 +45,9 @@ def add_parsers(sub) -> None:
     s.add_argument("--top-k", type=_positive(int), default=40)
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument(
+        "--stop", action="append", default=[], help="end at this text (repeatable; not printed)"
+    )
     _add_precision(s)
     _add_speculate(s)
 
@@ -195,6 +198,7 @@ def _sample(args: argparse.Namespace) -> int:
     from teralm.infer.load import check_tokenizer
     from teralm.infer.precision import default_device, inference_threads
     from teralm.infer.sampling import Sampling
+    from teralm.infer.text import complete
 
     try:
         ix = Index.open(args.index)
@@ -206,11 +210,13 @@ def _sample(args: argparse.Namespace) -> int:
     prompt = [int(t) for t in ix.encode(args.prompt)]
     sampling = Sampling(args.tokens, args.temperature, args.top_p, args.top_k, seed=args.seed)
     engine = Engine(model, ix, max_batch=1, speculate=args.speculate)
+    write = lambda text: print(text, end="", flush=True)  # noqa: E731
     try:
         for use_index in [True, False] if model.cfg.index_input else [False]:
-            (out,) = engine.generate([prompt], sampling, use_index)
             label = "with the index" if use_index else "without the index"
-            print(f"--- {label} ---\n{args.prompt}{ix.decode(out)}\n")
+            write(f"--- {label} ---\n{args.prompt}")
+            _, finish = complete(engine, prompt, sampling, args.stop, use_index, write)
+            write(f"\n({finish})\n\n" if args.stop else "\n\n")
     except ValueError as e:
         return _fail("sample", str(e))
     finally:

@@ -42,6 +42,20 @@ def test_sample_and_server_give_the_same_greedy_completion(tiny_run):
     assert answer["choices"][0]["text"] == greedy(tiny_run["model"], ix, PROMPT, 24)
 
 
+def test_sample_ends_at_a_stop_string(tiny_run):
+    """``teralm sample --stop`` prints the greedy completion up to the first stop string."""
+    ix = tiny_run["ix"]
+    completion = greedy(tiny_run["model"], ix, PROMPT, 24)
+    stop = completion[10:12]
+    sampled = run_cli(
+        "sample", tiny_run["run"], "--index", ix.directory, "--prompt", PROMPT, "--tokens", 24,
+        "--temperature", 0, "--stop", "zzz", "--stop", stop,
+    )  # fmt: skip
+    assert sampled.returncode == 0, sampled.stderr
+    with_index = sampled.stdout.split("--- with the index ---\n")[1].split("\n--- without")[0]
+    assert with_index == PROMPT + completion[: completion.find(stop)] + "\n(stop)\n"
+
+
 def dequantised(export) -> Transformer:
     """The plain fp32 model of an fp8 export: every matrix as ``q / scale``."""
     tensors, state = checkpoint.load_model_weights(export)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from serving import KEY, free_port, greedy, request, wait_until_up
 
 from teralm.index.tokenizer import ByteTokenizer
-from teralm.server.text import TextStream, token_bytes
+from teralm.infer.text import TextStream, token_bytes
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,18 @@
-"""Tokens to text for responses: every token's bytes and text in tables built once, incremental
-decoding that never splits a character, and stop strings cut from the output (held back while
-they might still be forming)."""
+"""Tokens to text: every token's bytes and text in tables built once, incremental decoding that
+never splits a character, and stop strings cut from the output (held back while they might still
+be forming). The server's responses and ``teralm sample`` both go through ``TextStream``."""
 
 from __future__ import annotations
 
 import codecs
 import json
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Sequence
 from functools import cache
 
 from teralm.index.tokenizer import Tokenizer
+from teralm.infer import engine
+from teralm.infer.sampling import Sampling
 
 
 @cache
@@ -74,3 +77,41 @@ class TextStream:
         keep = 0 if final or self.stopped else min(self.hold, len(text))
         self.held = text[len(text) - keep :]
         return text[: len(text) - keep]
+
+
+def complete(
+    runner: engine.Engine,
+    prompt: list[int],
+    sampling: Sampling,
+    stops: list[str],
+    use_index: bool = True,
+    on_text: Callable[[str], None] = lambda text: None,
+) -> tuple[str, str]:
+    """One completion's text, handed to ``on_text`` as it becomes final, and why it ended
+    (``"stop"``: a stop string appeared, cut off with what follows, and generation stopped there;
+    ``"length"``). ValueError if the generation failed."""
+    stream = TextStream(token_bytes(runner.index.tokenizer), stops, prefix=prompt)
+    parts, errors, ended = [], [], threading.Event()
+
+    def take(text: str) -> None:
+        parts.append(text)
+        on_text(text)
+
+    def on_event(event: engine.TokenEvent) -> None:
+        if event.error:
+            errors.append(event.error)
+        if event.token is not None and not event.prompt:
+            take(stream.push(event.token))
+        if stream.stopped:
+            sequence.cancel()
+            ended.set()
+        elif event.finish:
+            take(stream.finish())
+            ended.set()
+
+    sequence = engine.Sequence(prompt, sampling, on_event, use_index)
+    runner.submit([sequence])
+    ended.wait()
+    if errors:
+        raise ValueError(errors[0])
+    return "".join(parts), "stop" if stream.stopped else "length"
