@@ -6,13 +6,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 from numba.typed import List
+from threadpoolctl import threadpool_limits
 
 from teralm.infer.fp8 import Fp8Embedding, Fp8Linear
 from teralm.kernels.decode import forward_rows
 from teralm.model import Transformer
 from teralm.model.kv_cache import KVCache
 
-MAX_ROWS = 48  # above this many new tokens per call, PyTorch's matrix products are faster
+MAX_ROWS = 256  # past this many new tokens per call, the kernel's plain attention loops lose
 
 
 def fused_decode_fits(model: Transformer) -> bool:
@@ -23,6 +24,14 @@ def fused_decode_fits(model: Transformer) -> bool:
         and next(model.buffers()).device.type == "cpu"
         and not any(isinstance(m, (Fp8Linear, Fp8Embedding)) for m in model.modules())
     )
+
+
+def _limit_blas_threads() -> None:
+    """Run the BLAS that the kernel calls on as many threads as torch runs (one, beside the
+    server, on a 2-core machine): left at its default it spins on every core."""
+    import scipy.linalg.cython_blas  # noqa: F401  (loads the library numba's np.dot calls)
+
+    threadpool_limits(torch.get_num_threads(), user_api="blas")
 
 
 def _array(t: torch.Tensor) -> np.ndarray:
@@ -46,6 +55,7 @@ class Decoder:
             raise ValueError("the fused decoder runs fp32 models on the CPU only")
         if self.fused:
             self._args = self._kernel_arguments()
+            _limit_blas_threads()
 
     def decode(
         self,

@@ -11,9 +11,10 @@ sequence see each other causally (as in ``Transformer.decode``).
 
 The arithmetic is the model's (teralm.model.transformer), in fp32: RMSNorm, QK-norm, rotary
 positions over (first half, second half) channel pairs, windowed or full attention, ReLU² or
-SwiGLU, the index input and the mixture gate. Matrices are read in PyTorch's [out, in] layout,
-each row of a weight once per call for all rows (the loop order that keeps a small batch
-bandwidth-bound rather than dispatch-bound).
+SwiGLU, the index input and the mixture gate. Matrices are read in PyTorch's [out, in] layout.
+For a few rows, loops read each row of a weight once for all rows (the order that keeps a small
+step bandwidth-bound rather than dispatch-bound); from ``BLAS_ROWS`` rows on (a prompt), the
+products go to BLAS (scipy's, which numba calls for ``np.dot``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 from numba import njit
 
 EPS = np.float32(1e-6)  # teralm.model.transformer.RMSNorm's
+BLAS_ROWS = 16  # from this many rows on, BLAS's blocked products beat the loops below
 
 
 @njit(nogil=True, cache=True, fastmath=True)
@@ -30,6 +32,9 @@ def _matmul(x, w, out):
     read of a weight row; fewer rows than four take four weight rows at a time instead."""
     n_rows, n_in = x.shape
     n_out = w.shape[0]
+    if n_rows >= BLAS_ROWS:
+        np.dot(x, w.T, out)
+        return
     if n_rows < 4:
         blocked = n_out - n_out % 4
         for o in range(0, blocked, 4):
