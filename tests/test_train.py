@@ -8,13 +8,15 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import fields
 
 import numpy as np
 import pytest
+import torch
 from conftest import build_docs, random_documents
 from test_features import doc_ids_of
 
-from teralm.train.data import FragmentSampler, training_spans
+from teralm.train.data import FragmentSampler, prefetched, training_spans
 from teralm.train.evaluate import causal_infgram
 
 TINY = """
@@ -223,3 +225,17 @@ def test_eval_json_and_fp8_export(corpus, tmp_path):
     )
     assert fp8["tokens"] == result["tokens"]
     assert abs(fp8["model"] - result["model"]) < 0.05 * result["model"]
+
+
+def test_prefetched_batches_are_the_samplers_in_order(corpus):
+    """The background thread changes when a batch is made, not what it holds; closing early
+    stops cleanly."""
+    sampler = FragmentSampler(corpus, 16, 3, seed=5, holdout_every=5, infgram=True)
+    keys = [(step, micro) for step in range(4) for micro in range(2)]
+    for key, batch in zip(keys, prefetched(sampler, keys), strict=True):
+        want = sampler.batch(*key)
+        for field in fields(batch):
+            assert torch.equal(getattr(batch, field.name), getattr(want, field.name))
+    early = prefetched(sampler, keys)
+    next(early)
+    early.close()

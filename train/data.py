@@ -8,6 +8,8 @@ one would have.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -134,3 +136,15 @@ class FragmentSampler:
                 counts = causal_infgram(self.ix, s + 1, self.seq_len, 0, match_len)
             parts.append((tokens, next_token, match_len, targets, *counts))
         return Batch(*(torch.from_numpy(np.stack(column)) for column in zip(*parts)))
+
+
+def prefetched(sampler: FragmentSampler, keys: list[tuple[int, int]]) -> Iterator[Batch]:
+    """``sampler.batch(*key)`` for each ``(step, micro)`` key in turn, the next one made in a
+    background thread while the caller trains on the current one (the index lookups and ∞-gram
+    counts of a batch overlap the previous step's arithmetic)."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="teralm-batches") as pool:
+        pending = pool.submit(sampler.batch, *keys[0]) if keys else None
+        for following in [*keys[1:], None]:
+            batch = pending.result()
+            pending = None if following is None else pool.submit(sampler.batch, *following)
+            yield batch  # closed early, it waits for the one batch in flight

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -18,7 +19,7 @@ from teralm.infer.precision import autocast, choose_precision, default_device
 from teralm.model import Transformer, checkpoint
 from teralm.model.transformer import index_lm_loss
 from teralm.train.config import RunConfig, TrainConfig
-from teralm.train.data import FragmentSampler
+from teralm.train.data import FragmentSampler, prefetched
 
 METRICS = "metrics.jsonl"
 RUN_CONFIG = "config.json"
@@ -226,7 +227,11 @@ def train(
     t0 = time.perf_counter()
     last_log, loss_value, stopped, step = t0, float("nan"), "max_steps", start
     bar = tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step", disable=not progress)
-    with open(run / METRICS, "a") as metrics:
+    keys = [
+        (step, micro) for step in range(start, cfg.max_steps) for micro in range(cfg.grad_accum)
+    ]
+    batches = prefetched(sampler, keys)
+    with open(run / METRICS, "a") as metrics, contextlib.closing(batches):
         for step in range(start, cfg.max_steps):
             if cfg.max_minutes and wall_before + time.perf_counter() - t0 > 60 * cfg.max_minutes:
                 stopped = "max_minutes"
@@ -235,8 +240,8 @@ def train(
             for group in optimizer.param_groups:
                 group["lr"] = lr
             micro_losses = []  # read back only when logged: no device sync per step
-            for micro in range(cfg.grad_accum):
-                batch = sampler.batch(step, micro).to(device)
+            for _ in range(cfg.grad_accum):
+                batch = next(batches).to(device)
                 with autocast(device, config.model.precision):
                     logits, gate = forward(
                         batch.tokens, batch.next_token, batch.match_len, with_gate=True
