@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOPS = 16  # lm-evaluation-harness tasks send up to 5; OpenAI takes 4
+MAX_STOP_CHARS = 256  # each stop string is searched for after every token
 
 
 @dataclass
@@ -68,8 +69,10 @@ class CompletionRequest(Request):
     @classmethod
     def _stops(cls, value):
         stops = [value] if isinstance(value, str) else list(value or [])
-        if len(stops) > MAX_STOPS or any(not s for s in stops):
-            raise ValueError(f"stop takes up to {MAX_STOPS} non-empty strings")
+        if len(stops) > MAX_STOPS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+            raise ValueError(
+                f"stop takes up to {MAX_STOPS} non-empty strings of up to {MAX_STOP_CHARS} characters"
+            )
         return stops
 
     def prompts(self) -> list[str | list[int]]:

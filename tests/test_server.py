@@ -208,6 +208,7 @@ def test_lm_eval_finds_the_remote_tokenizer(served):
         ({"prompt": "ab", "model": "gpt-4"}, 404, "unknown model"),
         ({"prompt": "ab", "max_tokens": -1}, 400, "max_tokens"),
         ({"prompt": "ab", "stop": ["", "x"]}, 400, "stop"),
+        ({"prompt": "ab", "stop": ["x" * 257]}, 400, "stop"),
         ({"prompt": "x" * 5000}, 400, "limit"),
         ({"prompt": {"a": 1}}, 400, "prompt"),
     ],
