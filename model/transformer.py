@@ -125,6 +125,22 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
+class ReLUSquared(torch.autograd.Function):
+    """``relu(x)²`` whose backward is two products (autograd's own, through ``square``, runs a
+    power and more passes over the MLP's widest activations)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        r = F.relu(x)
+        ctx.save_for_backward(r)
+        return r * r
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (r,) = ctx.saved_tensors
+        return grad * (r + r)
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -141,7 +157,7 @@ class MLP(nn.Module):
         if self.swiglu:
             gate, value = h.chunk(2, dim=-1)
             return self.down(F.silu(gate) * value)
-        return self.down(F.relu(h).square())
+        return self.down(ReLUSquared.apply(h))
 
 
 class Block(nn.Module):

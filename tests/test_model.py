@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from teralm.model import ModelConfig, Transformer
-from teralm.model.transformer import IndexInput, length_bucket, lm_loss
+from teralm.model.transformer import IndexInput, ReLUSquared, length_bucket, lm_loss
 
 
 def small(**overrides) -> ModelConfig:
@@ -101,6 +101,17 @@ def test_gated_index_input_gradients_by_finite_differences():
     y = layer(x, nxt, length).sum()
     y.backward()
     assert layer.gate.weight.grad is not None and layer.next_embed.weight.grad.abs().sum() > 0
+
+
+def test_relu_squared_gradient_by_finite_differences():
+    """Its hand-written backward, against fp64 finite differences and autograd's own."""
+    x = torch.randn(40, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    x = torch.cat([x, torch.zeros(2, dtype=torch.float64)]).requires_grad_()
+    assert torch.autograd.gradcheck(ReLUSquared.apply, (x,), eps=1e-6, atol=1e-6)
+    grad = torch.randn_like(x)
+    (want,) = torch.autograd.grad(torch.relu(x).square(), x, grad)
+    (got,) = torch.autograd.grad(ReLUSquared.apply(x), x, grad)
+    torch.testing.assert_close(got, want)
 
 
 def test_index_input_off_ignores_features():
