@@ -15,7 +15,8 @@ document itself: the best case for speculation), and from novel text the index d
 Python's standard-library sources). For each system: single-stream tokens/s on each kind (after
 the first token, ``--stream-tokens`` greedy, the mean over four prompts), batched
 tokens/s (``--clients`` prompts at once, ``--max-tokens`` each) and the time to first token for a
-100-token prompt (median of ``--repeats``). Then ``--clients`` concurrent HTTP clients send
+100-token prompt (median of ``--repeats``); in-process, also whole sampled completions
+(temperature 0.8, top-k 40) with the drafts kept. Then ``--clients`` concurrent HTTP clients send
 completions for ``--seconds``: throughput, p50/p99 latency, errors and the share of the engine's
 time spent in index lookups (from /metrics). Prints the tables and the targets, writes
 benchmarks/results/bench_serve.json.
@@ -257,6 +258,27 @@ class OverHTTP:
         return sum(made)
 
 
+def sampled(engine: InProcess, prompts: dict[str, list[list[int]]], n: int) -> list[dict]:
+    """Whole sampled completions (temperature 0.8, top-k 40, ``n`` tokens, prefill included)
+    one at a time in-process: tokens/s and the drafts kept, per kind of prompt."""
+    from teralm.infer.sampling import Sampling
+
+    rows, stats = [], engine.engine.stats
+    for kind, group in prompts.items():
+        drafted, kept = stats.drafted, stats.accepted
+        began = time.perf_counter()
+        for i, prompt in enumerate(group):
+            engine.engine.generate(
+                [prompt], Sampling(max_tokens=n, temperature=0.8, top_k=40, seed=i)
+            )
+        rows.append({
+            "system": engine.name, "prompts": kind,
+            "tok_per_s": len(group) * n / (time.perf_counter() - began),
+            "kept_drafts": f"{stats.accepted - kept}/{stats.drafted - drafted}",
+        })  # fmt: skip
+    return rows
+
+
 def measure(
     system: System,
     prompts: list[list[int]],
@@ -470,17 +492,27 @@ def main() -> None:
 
     novel = novel_prompts(index, PROMPT_TOKENS)
     rows = [measure(HFBaseline(model_config), prompts, novel, ttft_prompt, args)]
+    sampled_rows = []
     for speculate in (0, None):
         engine = InProcess(run, index, args.clients, speculate)
         rows.append(measure(engine, prompts, novel, ttft_prompt, args))
+        kinds = {"held-out": prompts[: len(novel)], "novel": novel}
+        sampled_rows += sampled(engine, kinds, args.stream_tokens)
         engine.close()
     with serve_process(run, index, "--max-batch", args.clients) as (port, _):
         rows.append(measure(OverHTTP(port), prompts, novel, ttft_prompt, args))
         under_load = load(port, prompts, args.clients, args.seconds, args.max_tokens)
     checks = targets(rows, under_load)
     report(run, rows, under_load, checks, args)
+    print(
+        f"\nsampled in-process, temperature 0.8, top-k 40, {args.stream_tokens} tokens per prompt"
+    )
+    columns = [("system", "system", "s"), ("prompts", "prompts", "s")]
+    columns += [("tok_per_s", "tok/s", ".1f"), ("kept_drafts", "drafts kept", "s")]
+    print(table(sampled_rows, columns))
     payload = {
         "systems": rows,
+        "sampled": sampled_rows,
         "load": under_load,
         "targets": checks,
         "settings": {k: str(v) for k, v in vars(args).items()},
