@@ -68,12 +68,12 @@ class Decoder:
         """Logits [N, vocab] and mixture gate logits [N] (None without a mixture) of the
         ``N = sum(counts)`` tokens; their keys and values are added to the cache. ValueError
         when a sequence would pass ``max_seq_len``."""
-        B, lengths = len(counts), self.cache.lengths.numpy()  # shares memory with the cache's
-        start = lengths[first : first + B]
+        B = len(counts)
+        start = self.cache.lengths.numpy()[first : first + B]  # a view of the cache's lengths
         if int((start + np.asarray(counts)).max()) > self.cache.max_len:
             raise ValueError(f"positions beyond max_seq_len {self.cache.max_len}")
         if self.fused and sum(counts) <= MAX_ROWS:
-            return self._fused(tokens, next_token, match_len, counts, first)
+            return self._fused(tokens, next_token, match_len, counts, first, start)
         columns = [torch.tensor(xs, device=self.cache.keys[0].device) for xs in (tokens, next_token, match_len)]  # fmt: skip
         if len(set(counts)) == 1:  # one batched call
             return self._flat(
@@ -91,20 +91,19 @@ class Decoder:
     def _flat(logits: torch.Tensor, gate: torch.Tensor | None):
         return logits.flatten(0, 1).float(), None if gate is None else gate.flatten()
 
-    def _fused(self, tokens, next_token, match_len, counts, first):
-        lengths = self.cache.lengths.numpy()
+    def _fused(self, tokens, next_token, match_len, counts, first: int, start: np.ndarray):
+        """The kernel on the rows; ``start``: the slots' cache lengths (a view, advanced)."""
         n, counts = sum(counts), np.asarray(counts)
-        ends = np.cumsum(counts)
-        slots = np.repeat(np.arange(first, first + len(counts)), counts)
-        positions = lengths[slots] + np.arange(n) - np.repeat(ends - counts, counts)
+        sequence = np.repeat(np.arange(len(counts)), counts)  # of each row
+        positions = start[sequence] + np.arange(n) - (np.cumsum(counts) - counts)[sequence]
         logits = np.empty((n, self.model.cfg.vocab_size), dtype=np.float32)
         gate = np.empty(n, dtype=np.float32)
         as_array = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
         forward_rows(
-            as_array(tokens), as_array(next_token), as_array(match_len), slots, positions,
+            as_array(tokens), as_array(next_token), as_array(match_len), first + sequence, positions,
             **self._args, logits=logits, gate=gate,
         )  # fmt: skip
-        lengths[first : first + len(counts)] += counts
+        start += counts
         has_gate = self.model.mixture_gate is not None
         return torch.from_numpy(logits), torch.from_numpy(gate) if has_gate else None
 

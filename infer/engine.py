@@ -26,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -55,6 +56,15 @@ class TokenEvent:
     error: str | None = None
 
 
+class Draft(NamedTuple):
+    """A token the index proposes, its (match length, next token) features and the matcher's
+    state once it is taken."""
+
+    token: int
+    features: tuple[int, int]
+    matcher: OnlineMatcher
+
+
 @dataclass
 class Sequence:
     """A prompt to continue. Without ``use_index`` the model sees "no match" everywhere and no
@@ -70,8 +80,7 @@ class Sequence:
     cancelled: bool = False
     done: bool = False
     logp: torch.Tensor | None = None  # [1 + drafts, vocab]: after the newest token and each draft
-    drafts: list[int] = field(default_factory=list)
-    draft_states: list[tuple[OnlineMatcher, tuple[int, int]]] = field(default_factory=list)
+    drafts: list[Draft] = field(default_factory=list)
     matcher: OnlineMatcher | None = None
     generator: torch.Generator | None = None
 
@@ -355,17 +364,17 @@ class Engine:
             if draft is None:
                 token = sample_token(logp, seq.sampling, seq.generator)
             else:
-                token = check_draft(logp, draft, seq.sampling, seq.generator)
+                token = check_draft(logp, draft.token, seq.sampling, seq.generator)
             self._emit(seq, token, logp)
-            if token != draft or seq.done or seq.cancelled:
+            if draft is None or token != draft.token or seq.done or seq.cancelled:
                 break
             kept += 1
-            seq.matcher, features = seq.draft_states[row]
-            seq.features.append(features)
+            seq.matcher = draft.matcher
+            seq.features.append(draft.features)
         self.cache.lengths[slot] -= len(seq.drafts) - kept
         self.stats.drafted += len(seq.drafts)
         self.stats.accepted += kept
-        seq.drafts, seq.draft_states = [], []
+        seq.drafts = []
 
     def _emit(self, seq: Sequence, token: int, logp: torch.Tensor) -> None:
         seq.tokens.append(token)
@@ -407,12 +416,16 @@ class Engine:
                 self._draft(seq, room)
                 spare -= len(seq.drafts)
         counts = [1 + len(s.drafts) for s in seqs]
-        tokens = [t for s in seqs for t in (s.tokens[-1], *s.drafts)]
-        features = [f for s in seqs for f in (s.features[-1], *(f for _, f in s.draft_states))]
+        tokens = [t for s in seqs for t in (s.tokens[-1], *(d.token for d in s.drafts))]
+        features = [f for s in seqs for f in (s.features[-1], *(d.features for d in s.drafts))]
         logits, gate = self._run_model(tokens, features, counts)
         owners = [s for s, n in zip(seqs, counts) for _ in range(n)]
         tail = self.index.max_match
-        contexts = [s.tokens[-tail:] + s.drafts[:i] for s, n in zip(seqs, counts) for i in range(n)]
+        contexts = [
+            s.tokens[-tail:] + [d.token for d in s.drafts[:i]]
+            for s, n in zip(seqs, counts)
+            for i in range(n)
+        ]
         logp = self._logp(owners, contexts, logits, gate)
         for seq, rows in zip(seqs, logp.split(counts)):
             seq.logp = rows
@@ -427,6 +440,5 @@ class Engine:
         ):
             matcher = matcher.copy()
             features = matcher.push(follower)
-            seq.drafts.append(follower)
-            seq.draft_states.append((matcher, features))
+            seq.drafts.append(Draft(follower, features, matcher))
             length, follower = features

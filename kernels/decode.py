@@ -26,63 +26,61 @@ EPS = np.float32(1e-6)  # teralm.model.transformer.RMSNorm's
 BLAS_ROWS = 16  # from this many rows on, BLAS's blocked products beat the loops below
 
 
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _dot(u, v):
+    acc = np.float32(0.0)
+    for i in range(v.shape[0]):
+        acc += u[i] * v[i]
+    return acc
+
+
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _dot4(a, b, c, d, v):
+    """The dot products of ``a``, ``b``, ``c`` and ``d`` with ``v``, reading ``v`` once."""
+    s0 = s1 = s2 = s3 = np.float32(0.0)
+    for i in range(v.shape[0]):
+        s0 += a[i] * v[i]
+        s1 += b[i] * v[i]
+        s2 += c[i] * v[i]
+        s3 += d[i] * v[i]
+    return s0, s1, s2, s3
+
+
 @njit(nogil=True, cache=True, fastmath=True)
 def _matmul(x, w, out):
-    """``out[r] = w @ x[r]`` for ``x`` [N, in], ``w`` [out, in]: four rows of ``x`` share each
-    read of a weight row; fewer rows than four take four weight rows at a time instead."""
-    n_rows, n_in = x.shape
-    n_out = w.shape[0]
+    """``out[r] = w @ x[r]`` for ``x`` [N, in], ``w`` [out, in]. Under four rows, four weight
+    rows at a time share each row of ``x``; from four, four rows of ``x`` share each read of a
+    weight row; from ``BLAS_ROWS``, BLAS."""
+    n_rows, n_out = x.shape[0], w.shape[0]
     if n_rows >= BLAS_ROWS:
         np.dot(x, w.T, out)
         return
     if n_rows < 4:
-        blocked = n_out - n_out % 4
-        for o in range(0, blocked, 4):
-            w0, w1, w2, w3 = w[o], w[o + 1], w[o + 2], w[o + 3]
+        for o in range(0, n_out - 3, 4):
             for r in range(n_rows):
-                x_r = x[r]
-                a0 = a1 = a2 = a3 = np.float32(0.0)
-                for i in range(n_in):
-                    a0 += w0[i] * x_r[i]
-                    a1 += w1[i] * x_r[i]
-                    a2 += w2[i] * x_r[i]
-                    a3 += w3[i] * x_r[i]
-                out[r, o], out[r, o + 1], out[r, o + 2], out[r, o + 3] = a0, a1, a2, a3
-        for o in range(blocked, n_out):
+                dots = _dot4(w[o], w[o + 1], w[o + 2], w[o + 3], x[r])
+                out[r, o], out[r, o + 1], out[r, o + 2], out[r, o + 3] = dots
+        for o in range(n_out - n_out % 4, n_out):
             for r in range(n_rows):
-                acc = np.float32(0.0)
-                for i in range(n_in):
-                    acc += w[o, i] * x[r, i]
-                out[r, o] = acc
+                out[r, o] = _dot(w[o], x[r])
         return
     for o in range(n_out):
-        w_o = w[o]
-        for r in range(0, n_rows, 4):
-            last = min(r + 4, n_rows)
-            if last - r == 4:
-                x0, x1, x2, x3 = x[r], x[r + 1], x[r + 2], x[r + 3]
-                a0 = a1 = a2 = a3 = np.float32(0.0)
-                for i in range(n_in):
-                    a0 += w_o[i] * x0[i]
-                    a1 += w_o[i] * x1[i]
-                    a2 += w_o[i] * x2[i]
-                    a3 += w_o[i] * x3[i]
-                out[r, o], out[r + 1, o], out[r + 2, o], out[r + 3, o] = a0, a1, a2, a3
-            else:
-                for rr in range(r, last):
-                    acc = np.float32(0.0)
-                    for i in range(n_in):
-                        acc += w_o[i] * x[rr, i]
-                    out[rr, o] = acc
+        for r in range(0, n_rows - 3, 4):
+            dots = _dot4(x[r], x[r + 1], x[r + 2], x[r + 3], w[o])
+            out[r, o], out[r + 1, o], out[r + 2, o], out[r + 3, o] = dots
+        for r in range(n_rows - n_rows % 4, n_rows):
+            out[r, o] = _dot(w[o], x[r])
+
+
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _inverse_rms(v):
+    return np.float32(1.0) / np.sqrt(_dot(v, v) / v.shape[0] + EPS)
 
 
 @njit(nogil=True, cache=True, fastmath=True)
 def _rms_norm(x, weight, out):
     for r in range(x.shape[0]):
-        sq = np.float32(0.0)
-        for i in range(x.shape[1]):
-            sq += x[r, i] * x[r, i]
-        inv = np.float32(1.0) / np.sqrt(sq / x.shape[1] + EPS)
+        inv = _inverse_rms(x[r])
         for i in range(x.shape[1]):
             out[r, i] = x[r, i] * inv * weight[i]
 
@@ -90,13 +88,9 @@ def _rms_norm(x, weight, out):
 @njit(nogil=True, cache=True, fastmath=True)
 def _norm_rope(v, weight, cos, sin):
     """RMS-normalise one head vector ``v`` [D] in place, then rotate its channel pairs."""
-    d = v.shape[0]
-    half = d // 2
-    sq = np.float32(0.0)
-    for i in range(d):
-        sq += v[i] * v[i]
-    inv = np.float32(1.0) / np.sqrt(sq / d + EPS)
-    for i in range(d):
+    half = v.shape[0] // 2
+    inv = _inverse_rms(v)
+    for i in range(v.shape[0]):
         v[i] = v[i] * inv * weight[i]
     for i in range(half):
         a, b = v[i], v[i + half]
@@ -134,10 +128,7 @@ def _attend(qkv, keys, values, slots, positions, window, n_head, out):
             q, k, v = qkv[r, 0, h], keys[slots[r], h], values[slots[r], h]
             best = -np.inf
             for j in range(first, pos + 1):
-                s = np.float32(0.0)
-                for i in range(head_dim):
-                    s += q[i] * k[j, i]
-                scores[j] = s * scale
+                scores[j] = _dot(q, k[j]) * scale
                 best = max(best, scores[j])
             total = np.float32(0.0)
             for j in range(first, pos + 1):
@@ -169,15 +160,13 @@ def forward_rows(
         x[r] = embed[tokens[r]]
     h = np.empty((n, d), dtype=np.float32)
     if next_embed.shape[0]:
-        gate_in = np.empty((n, d), dtype=np.float32)
+        lengths = np.empty((n, d), dtype=np.float32)
         for r in range(n):
-            gate_in[r] = x[r] + length_embed[length_bucket(match_len[r])]
-        _matmul(gate_in, gate_w, h)
+            lengths[r] = length_embed[length_bucket(match_len[r])]
+        _matmul(x + lengths, gate_w, h)
         for r in range(n):
-            lengths = length_embed[length_bucket(match_len[r])]
-            for i in range(d):
-                g = np.float32(1.0) / (np.float32(1.0) + np.exp(-(h[r, i] + gate_b[i])))
-                x[r, i] += g * (next_embed[next_token[r], i] + lengths[i])
+            g = np.float32(1.0) / (np.float32(1.0) + np.exp(-(h[r] + gate_b)))
+            x[r] += g * (next_embed[next_token[r]] + lengths[r])
     qkv = np.empty((n, 3, n_head, head_dim), dtype=np.float32)
     y = np.empty((n, d), dtype=np.float32)
     hidden = down_w[0].shape[1]
@@ -209,7 +198,4 @@ def forward_rows(
     _matmul(h, embed, logits)
     if mix_w.shape[0]:
         for r in range(n):
-            acc = mix_b[0]
-            for i in range(d):
-                acc += mix_w[0, i] * h[r, i]
-            gate[r] = acc
+            gate[r] = mix_b[0] + _dot(mix_w[0], h[r])

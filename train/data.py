@@ -8,8 +8,9 @@ one would have.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -143,8 +144,10 @@ def prefetched(sampler: FragmentSampler, keys: list[tuple[int, int]]) -> Iterato
     background thread while the caller trains on the current one (the index lookups and ∞-gram
     counts of a batch overlap the previous step's arithmetic)."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="teralm-batches") as pool:
-        pending = pool.submit(sampler.batch, *keys[0]) if keys else None
-        for following in [*keys[1:], None]:
-            batch = pending.result()
-            pending = None if following is None else pool.submit(sampler.batch, *following)
-            yield batch  # closed early, it waits for the one batch in flight
+        ahead: deque[Future] = deque()
+        for key in keys:
+            ahead.append(pool.submit(sampler.batch, *key))
+            if len(ahead) == 2:
+                yield ahead.popleft().result()  # closed early, it waits for the one in flight
+        while ahead:
+            yield ahead.popleft().result()
