@@ -176,7 +176,7 @@ class InProcess:
         from teralm.infer.precision import default_device
 
         ix = Index.open(index)
-        model, state, _ = load_model(run, default_device())
+        model, state, _ = load_model(run, default_device(), generating=True)
         check_tokenizer(state, ix)
         ix.longest_match([[0]])  # compile and warm the query kernels, as serve does
         self.engine = Engine(model, ix, max_batch=max_batch, speculate=speculate)

@@ -12,7 +12,10 @@ Speculation: where the index's longest match is long, the tokens that follow it 
 are likely next. The engine drafts up to ``speculate`` of them and runs them in the same forward
 as the newest token; sampling then keeps each draft with the probability the model gives it
 (``check_draft``), so the output is distributed as without drafts (greedy: identical), and one
-forward can yield several tokens. A rejected draft's cache entries are dropped. Callers talk to the engine through
+forward can yield several tokens. A rejected draft's cache entries are dropped.
+
+Prompts that begin as a recent one reuse its cached keys and values (teralm.infer.prefix_cache)
+and run only the rest through the model. Callers talk to the engine through
 ``Sequence`` objects: events come back through a callback, ``cancel()`` stops one. Work on one
 sequence that fails ends that sequence alone, with an error event; a failed batched step ends
 the sequences in it.
@@ -35,6 +38,7 @@ from teralm.index.query import OnlineMatcher, push_all
 from teralm.infer.decoder import Decoder
 from teralm.infer.mixture import infgram_probs, next_token_logp
 from teralm.infer.precision import autocast
+from teralm.infer.prefix_cache import PrefixCache
 from teralm.infer.sampling import Sampling, check_draft, sample_token
 from teralm.model import Transformer
 from teralm.model.kv_cache import KVCache
@@ -127,6 +131,7 @@ class WaitingRoom:
 class EngineStats:
     tokens: int = 0
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of prompt_tokens, those whose keys and values were reused
     drafted: int = 0
     accepted: int = 0
     model_s: float = 0.0
@@ -136,15 +141,21 @@ class EngineStats:
 DRAFT_MIN_MATCH = 8  # draft only what follows a match at least this long
 DRAFT_TOKENS = 8  # the most drafts per sequence and step
 DRAFT_ROWS = 16  # drafts fill a step up to this many rows (a large batch gains nothing)
+PREFIX_CACHE_BYTES = 256 << 20
 
 
 class Engine:
     """``speculate``: the most drafted tokens per sequence and step (0: none; default: as many
     as ``DRAFT_TOKENS`` with the fused CPU decoder, where a few more rows cost little, else
-    none)."""
+    none). ``prefix_cache``: bytes of recent prompts' keys and values kept for reuse (0: none)."""
 
     def __init__(
-        self, model: Transformer, index: Index, max_batch: int = 16, speculate: int | None = None
+        self,
+        model: Transformer,
+        index: Index,
+        max_batch: int = 16,
+        speculate: int | None = None,
+        prefix_cache: int = PREFIX_CACHE_BYTES,
     ):
         self.model = model.eval()
         self.index = index
@@ -156,6 +167,7 @@ class Engine:
         self.speculate = (
             (DRAFT_TOKENS if self.decoder.fused else 0) if speculate is None else speculate
         )
+        self.prefixes = PrefixCache(prefix_cache) if prefix_cache else None
         self.max_batch = max_batch
         self.waiting = WaitingRoom()
         self.active: list[Sequence] = []  # active[i] is cached in slot i
@@ -287,20 +299,34 @@ class Engine:
         window, n = self.model.cfg.max_seq_len, len(seq.tokens)
         if seq.sampling.echo:  # the first token has nothing before it to be scored on
             seq.on_event(TokenEvent(seq.tokens[0], None, None, prompt=True))
-        start = 0 if seq.sampling.echo else max(0, n - window)
-        while True:  # past one window, as generation goes on: from the previous one's half
-            stop = min(n, start + window)
-            logits, gate = self._forward(seq, slot, start, stop)
-            if seq.sampling.echo:
-                self._echo(seq, start + window // 2 if start else 1, start, logits, gate)
-            if stop == n:
-                break
-            start = stop - window // 2
+        if self.prefixes is not None and not seq.sampling.echo and n <= window:
+            logits, gate = self._prefill_reusing(seq, slot)
+        else:
+            start = 0 if seq.sampling.echo else max(0, n - window)
+            while True:  # past one window, as generation goes on: from the previous one's half
+                stop = min(n, start + window)
+                logits, gate = self._forward(seq, slot, start, stop)
+                if seq.sampling.echo:
+                    self._echo(seq, start + window // 2 if start else 1, start, logits, gate)
+                if stop == n:
+                    break
+                start = stop - window // 2
         last = None if gate is None else gate[-1:]
         seq.logp = self._logp([seq], [seq.tokens], logits[-1:], last)
         if seq.sampling.max_tokens == 0:
             seq.done = True
             seq.on_event(TokenEvent(None, finish="length"))
+
+    def _prefill_reusing(self, seq: Sequence, slot: int):
+        """Cache a prompt that fits the window in ``slot``, reusing the keys and values of its
+        longest cached prefix: the logits and gate logits of the tokens past it."""
+        n = len(seq.tokens)
+        reused = self.prefixes.load(seq.tokens, seq.use_index, self.cache, slot)
+        self.stats.cached_prompt_tokens += reused
+        rest = seq.features[reused:]
+        logits, gate = self._run_model(seq.tokens[reused:], rest, [n - reused], slot)
+        self.prefixes.store(seq.tokens, seq.use_index, self.cache, slot)
+        return logits, gate
 
     def _forward(self, seq: Sequence, slot: int, start: int, stop: int):
         """Cache ``tokens[start:stop]`` afresh in ``slot``: their logits [T, vocab] and gate

@@ -15,13 +15,14 @@ TOKENIZER_FIELDS = ("tokenizer", "tokenizer_sha256", "vocab_size")
 
 
 def load_model(
-    path: Path, device: torch.device, precision: str = "auto"
+    path: Path, device: torch.device, precision: str = "auto", generating: bool = False
 ) -> tuple[Transformer, dict, PrecisionChoice]:
     """The model in eval mode on ``device``, its saved state (config, index identity) and the
-    precision it runs in (``auto``: the fastest exact one for the machine, whatever it was
-    trained in). An fp8 export keeps its matrices in e4m3 (see teralm.infer.fp8)."""
+    precision it runs in (``auto``: the fastest exact one for the machine and for scoring or
+    ``generating``, whatever it was trained in). An fp8 export keeps its matrices in e4m3 (see
+    teralm.infer.fp8)."""
     tensors, state = checkpoint.load_model_weights(path)
-    choice = choose_precision(precision, device)
+    choice = choose_precision(precision, device, generating)
     config = ModelConfig.from_dict({**state["config"]["model"], "precision": choice.precision})
     model = Transformer(config)
     if checkpoint.is_fp8_export(path):

@@ -1,8 +1,12 @@
 """Choosing a model's arithmetic for the machine it runs on.
 
 ``auto`` is bf16 on a CUDA GPU and on a CPU with native bf16 instructions (AVX512_BF16 or AMX),
-and fp32 on any other CPU, where bf16 matmuls run several times slower than fp32. fp8 and int8
-are explicit choices: fast with fp8 tensor cores, emulated (a correctness path) elsewhere.
+and fp32 on any other CPU, where bf16 matmuls run several times slower than fp32. Generating on
+the CPU, ``auto`` is fp32 on every CPU: a decode step of a few tokens is bound by per-op
+dispatch, not by matmul throughput, and the fused fp32 kernel (teralm.kernels.decode) skips the
+dispatch (tiny preset, one token on a Zen 4 with native bf16: 0.4 ms fused against 4 ms through
+PyTorch in bf16). fp8 and int8 are explicit choices: fast with fp8 tensor cores, emulated (a
+correctness path) elsewhere.
 """
 
 from __future__ import annotations
@@ -53,8 +57,11 @@ def cpu_native_bf16() -> tuple[bool, str]:
     return False, f"CPU {capability} without native bf16 (AVX512_BF16 or AMX)"
 
 
-def choose_precision(requested: str, device: torch.device) -> PrecisionChoice:
-    """Resolve ``requested`` (``auto`` or an explicit precision) for ``device``."""
+def choose_precision(
+    requested: str, device: torch.device, generating: bool = False
+) -> PrecisionChoice:
+    """Resolve ``requested`` (``auto`` or an explicit precision) for ``device``: for training and
+    scoring, or for ``generating`` (sample, serve)."""
     if device.type == "cuda":
         if requested == "auto":
             return PrecisionChoice("bf16", "CUDA GPU: bf16 (fp8 is an explicit choice)")
@@ -64,6 +71,8 @@ def choose_precision(requested: str, device: torch.device) -> PrecisionChoice:
             )
         return PrecisionChoice(requested, "requested")
     native, probe = cpu_native_bf16()
+    if requested == "auto" and generating:
+        return PrecisionChoice("fp32", f"generating on the CPU: the fused fp32 decoder ({probe})")
     if requested == "auto":
         return PrecisionChoice("bf16" if native else "fp32", probe)
     if requested == "bf16" and not native:

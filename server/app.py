@@ -392,6 +392,10 @@ class EngineCollector(Collector):
     COUNTERS = {  # name (without _total): help, EngineStats field
         "teralm_generated_tokens": ("Tokens generated", "tokens"),
         "teralm_prompt_tokens": ("Prompt tokens read", "prompt_tokens"),
+        "teralm_prompt_tokens_cached": (
+            "Prompt tokens whose keys and values came from the prefix cache",
+            "cached_prompt_tokens",
+        ),
         "teralm_model_seconds": ("Time in the model's forward passes", "model_s"),
         "teralm_index_lookup_seconds": ("Time in index lookups", "lookup_s"),
     }

@@ -70,6 +70,13 @@ def add_parsers(sub) -> None:
         "--max-batch", type=_positive(int), default=16, help="sequences decoded together"
     )
     v.add_argument("--timeout", type=_positive(float), default=120.0, help="seconds per request")
+    v.add_argument(
+        "--prefix-cache",
+        type=_count,
+        default=256,
+        metavar="MIB",
+        help="MiB of recent prompts' keys and values kept for prompts that begin the same (0: off)",
+    )
     _add_precision(v)
     _add_speculate(v)
     v.add_argument("--threads", type=_positive(int), help="CPU threads (default: cores - 1)")
@@ -151,11 +158,11 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace, device):
+def _load(args: argparse.Namespace, device, generating: bool = False):
     """The run's model in the precision asked for (a warning when it will be slow here)."""
     from teralm.infer.load import load_model
 
-    model, state, choice = load_model(args.run, device, args.precision or "auto")
+    model, state, choice = load_model(args.run, device, args.precision or "auto", generating)
     if choice.warning:
         print(f"warning: {choice.warning}", file=sys.stderr)
     return model, state
@@ -202,7 +209,7 @@ def _sample(args: argparse.Namespace) -> int:
 
     try:
         ix = Index.open(args.index)
-        model, state = _load(args, default_device())
+        model, state = _load(args, default_device(), generating=True)
         check_tokenizer(state, ix)
     except ValueError as e:
         return _fail("sample", str(e))
@@ -263,13 +270,13 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         ix = Index.open(args.index)
-        model, state = _load(args, default_device())
+        model, state = _load(args, default_device(), generating=True)
         check_tokenizer(state, ix)
     except ValueError as e:
         return _fail("serve", str(e))
     torch.set_num_threads(args.threads or inference_threads())
     ix.longest_match([[0]])  # compile and warm the query kernels before the first request
-    engine = Engine(model, ix, max_batch=args.max_batch, speculate=args.speculate)
+    engine = Engine(model, ix, args.max_batch, args.speculate, prefix_cache=args.prefix_cache << 20)
     limits = Limits(
         max_prompt_tokens=args.max_prompt_tokens,
         max_tokens=args.max_tokens,

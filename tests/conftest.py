@@ -58,7 +58,7 @@ def rng(request) -> np.random.Generator:
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory) -> dict:
     """A tiny model trained for 30 steps on a built index, for the server tests: the index, the
-    run folder and the model loaded from it."""
+    run folder and the model loaded from it as ``teralm serve`` loads it."""
     import torch
 
     from teralm.infer.load import load_model
@@ -74,5 +74,5 @@ def tiny_run(tmp_path_factory) -> dict:
         TrainConfig(batch_size=4, seq_len=32, max_steps=30, warmup_steps=3, holdout_every=10),
     )
     train(ix, config, base / "run", progress=False)
-    model, _, _ = load_model(base / "run", torch.device("cpu"))
+    model, _, _ = load_model(base / "run", torch.device("cpu"), generating=True)
     return {"ix": ix, "run": base / "run", "model": model}

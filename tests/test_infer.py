@@ -18,9 +18,11 @@ from teralm.infer.engine import Engine, Sequence
 from teralm.infer.fp8 import Fp8Embedding, Fp8Linear
 from teralm.infer.load import load_model
 from teralm.infer.mixture import infgram_probs, next_token_logp
+from teralm.infer.prefix_cache import PrefixCache
 from teralm.infer.sampling import Sampling, check_draft
 from teralm.infer.sampling import _probabilities as sampler_distribution
 from teralm.model import ModelConfig, Transformer, checkpoint
+from teralm.model.kv_cache import KVCache
 from teralm.model.transformer import Linear
 
 PROMPT = "abcab"
@@ -169,7 +171,7 @@ def model_without_mixture(tiny_run, tmp_path_factory) -> Transformer:
     steps = TrainConfig(batch_size=4, seq_len=32, max_steps=30, warmup_steps=3)
     folder = tmp_path_factory.mktemp("no-mixture")
     train(tiny_run["ix"], RunConfig(shape, steps), folder, progress=False)
-    return load_model(folder, torch.device("cpu"))[0]
+    return load_model(folder, torch.device("cpu"), generating=True)[0]
 
 
 @torch.no_grad()
@@ -224,3 +226,72 @@ def test_checking_a_draft_samples_the_samplers_distribution():
             assert (got - want).abs().max() < 0.03, (sampling, draft, got, want)
     greedy_sampling = Sampling(temperature=0)
     assert {check_draft(logp, d, greedy_sampling, torch.Generator()) for d in range(6)} == {0}
+
+
+@torch.no_grad()
+def test_prompts_that_begin_alike_reuse_the_cached_keys_and_values(tiny_run):
+    """With the prefix cache, a prompt that begins as an earlier one runs only the rest through
+    the model (an exact repeat: its last token; else from the longest shared block boundary),
+    and its greedy tokens, log-probabilities and top alternatives are those without the cache.
+    A prompt without the index shares nothing with the same tokens with it."""
+    ix = tiny_run["ix"]
+    text = ix.decode(ix.tokens(*ix.document_range(3)))
+    base = [int(t) for t in ix.encode(text[:40])]
+    other = [int(t) for t in ix.encode("edcbaedcba")]
+    prompts = [base, base, base[:35] + other[:5], base[:20]]
+    reused = [0, 39, 32, 16]
+    sampling = Sampling(max_tokens=12, temperature=0, logprobs=2)
+    runs = {}
+    for cache_bytes in (0, 1 << 20):
+        engine = Engine(tiny_run["model"], ix, max_batch=2, prefix_cache=cache_bytes)
+        try:
+            events, counted = [], []
+            for prompt in prompts:
+                for t in (*engine.cache.keys, *engine.cache.values):
+                    t.zero_()  # (the engine is idle) no slot holds an earlier prompt's entries
+                events += generate_events(engine, [prompt], sampling)
+                counted.append(engine.stats.cached_prompt_tokens - sum(counted))
+            before = engine.stats.cached_prompt_tokens
+            assert engine.generate([base], sampling, use_index=False)
+            assert engine.stats.cached_prompt_tokens == before
+            runs[cache_bytes] = events, counted
+        finally:
+            engine.close()
+    (plain, none), (cached, counted) = runs[0], runs[1 << 20]
+    assert none == [0, 0, 0, 0] and counted == reused
+    for a, b in zip(plain, cached):
+        assert [e.token for e in a] == [e.token for e in b]
+        for x, y in zip(a, b):
+            assert abs(x.logprob - y.logprob) < 1e-4 and x.top.keys() == y.top.keys()
+
+
+def test_prefix_cache_drops_the_least_recent_and_checks_tokens(monkeypatch):
+    """Past its byte budget the cache drops the entry used longest ago; what it loads is what
+    it stored; a prompt whose hashes collide with a cached one's but whose tokens differ gets
+    nothing."""
+    cfg = ModelConfig(n_layer=2, n_head=2, d_model=8, max_seq_len=64, vocab_size=16)
+    cache = KVCache(cfg, 2, torch.device("cpu"), torch.float32)
+    entry_bytes = 2 * 2 * 2 * 40 * 4 * 4  # layers x (keys, values) x heads x tokens x dim x 4 B
+    prefixes = PrefixCache(2 * entry_bytes)
+    prompts = [[i] * 40 for i in range(3)]
+    stored = {}
+    for i, prompt in enumerate(prompts[:2]):
+        for k in (*cache.keys, *cache.values):
+            k[0].normal_()
+        stored[i] = [k[0, :, :39].clone() for k in cache.keys]
+        prefixes.store(prompt, True, cache, 0)
+    assert prefixes.load(prompts[0], True, cache, 1) == 39  # now the most recent
+    assert all(torch.equal(k[1, :, :39], want) for k, want in zip(cache.keys, stored[0]))
+    prefixes.store(prompts[2], True, cache, 0)  # over budget: prompt 1 goes
+    assert len(prefixes) == 2 and prefixes.bytes == 2 * entry_bytes
+    assert prefixes.load(prompts[1], True, cache, 1) == 0 and int(cache.lengths[1]) == 0
+    assert prefixes.load(prompts[0], True, cache, 1) == 39
+    assert prefixes.load(prompts[0], False, cache, 1) == 0
+
+    monkeypatch.setattr(
+        "teralm.infer.prefix_cache._prefix_hashes", lambda tokens, use_index: {len(tokens): 7}
+    )
+    prefixes = PrefixCache(2 * entry_bytes)
+    prefixes.store(prompts[0], True, cache, 0)
+    assert prefixes.load(prompts[1], True, cache, 1) == 0
+    assert prefixes.load(prompts[0], True, cache, 1) == 39

@@ -35,6 +35,16 @@ def test_auto_follows_native_bf16(monkeypatch, avx512_bf16, amx, chosen):
     assert "AVX512" in choice.reason
 
 
+@pytest.mark.parametrize("avx512_bf16", [False, True])
+def test_auto_generates_in_fp32_on_every_cpu(monkeypatch, avx512_bf16):
+    """Generation's ``auto`` is the fused fp32 decoder's precision, native bf16 or not; an
+    explicit choice is kept."""
+    cpu_probe(monkeypatch, avx512_bf16, False)
+    choice = choose_precision("auto", CPU, generating=True)
+    assert choice.precision == "fp32" and "fused fp32 decoder" in choice.reason
+    assert choose_precision("bf16", CPU, generating=True).precision == "bf16"
+
+
 def test_explicit_slow_choices_run_with_a_warning(monkeypatch):
     cpu_probe(monkeypatch, False, False, "AVX2")
     bf16 = choose_precision("bf16", CPU)
