@@ -230,6 +230,8 @@ class Engine:
 
     def _admit(self) -> None:
         while len(self.active) < self.max_batch:
+            if self.active and not self.waiting:  # nothing to admit: no lock, no wait
+                return
             seq = self.waiting.get(timeout=0.05 if not self.active else 0)
             if seq is None:
                 return

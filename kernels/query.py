@@ -71,7 +71,7 @@ def _bucket(buckets, elem_bits, ctx, end, m):
     return word, np.int64(buckets[lead]), np.int64(buckets[lead + width])
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _shard_range(shard, doc_bits, separator, buckets, elem_bits, sample, ctx, end, m):
     """Longest match of the reversed query in this shard: (length, insertion rank, and the
     common prefix lengths of the ranks at and before it, -1 where there is none).
@@ -116,7 +116,7 @@ def _shard_range(shard, doc_bits, separator, buckets, elem_bits, sample, ctx, en
     return max(left, right, 0), a, right, left
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _expand(shard, doc_bits, separator, buckets, elem_bits, ctx, end, length, found):
     """All ranks sharing ``length`` elements with the query, around its insertion point
     (``found`` is what ``_shard_range`` returned; the caller knows that block is not empty):
@@ -227,7 +227,7 @@ def _shard(shards, k):
     )
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def lookup(
     shards,
     shard_buckets,
@@ -362,7 +362,7 @@ def lookup(
     return summary, ranges, offsets, rows[: offsets[contexts]], -1
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def causal_counts(
     shards,
     shard_buckets,

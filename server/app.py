@@ -89,9 +89,16 @@ class Wakeup:
     def __init__(self):
         self.loop = asyncio.get_running_loop()
         self.event = asyncio.Event()
+        self._pending = False  # a set is queued on the loop: more news rides along with it
 
     def notify(self) -> None:  # any thread
-        self.loop.call_soon_threadsafe(self.event.set)
+        if not self._pending:
+            self._pending = True
+            self.loop.call_soon_threadsafe(self._set)
+
+    def _set(self) -> None:
+        self._pending = False
+        self.event.set()
 
     async def wait(self, timeout: float) -> None:
         with contextlib.suppress(asyncio.TimeoutError):
@@ -122,16 +129,21 @@ class Choice:
         self.finished, self.finish_reason, self.error = False, None, None
         self.generated, self.offset = 0, 0
         self.logprobs = Logprobs() if body.logprobs is not None else None
+        # a streamed choice has news at every token; a whole one only when a stop string may
+        # end it early, or at its end
+        self.streamed = body.stream
+        eager = body.stream or bool(body.stop)
 
         def on_event(event: TokenEvent) -> None:  # the engine thread
             self.updates.append(event)
-            wake.notify()
+            if eager or event.finish:
+                wake.notify()
 
         self.seq = Sequence(prompt, sampling, on_event)
 
     def drain(self) -> list[CompletionChoice]:
-        """Turn queued engine events into stream chunks (and accumulate the full result). A
-        failed sequence ends with ``error`` set, and no chunk."""
+        """Turn queued engine events into stream chunks, when streamed, and accumulate the full
+        result. A failed sequence ends with ``error`` set, and no chunk."""
         chunks = []
         while not self.finished and self.updates:
             event = self.updates.popleft()
@@ -150,14 +162,15 @@ class Choice:
                 self.finished = True
                 self.finish_reason = "stop" if self.stream.stopped else "length"
             self.parts.append(delta)
-            chunks.append(
-                CompletionChoice(
-                    index=self.index,
-                    text=delta,
-                    logprobs=logprobs,
-                    finish_reason=self.finish_reason,
+            if self.streamed:
+                chunks.append(
+                    CompletionChoice(
+                        index=self.index,
+                        text=delta,
+                        logprobs=logprobs,
+                        finish_reason=self.finish_reason,
+                    )
                 )
-            )
         return chunks
 
     def _logprob(self, event: TokenEvent) -> Logprobs | None:
