@@ -39,7 +39,7 @@ from teralm.infer.decoder import Decoder
 from teralm.infer.mixture import infgram_probs, next_token_logp
 from teralm.infer.precision import autocast
 from teralm.infer.prefix_cache import PrefixCache
-from teralm.infer.sampling import Sampling, check_draft, sample_token
+from teralm.infer.sampling import Sampling, check_draft, sample_token, sample_tokens
 from teralm.model import Transformer
 from teralm.model.kv_cache import KVCache
 
@@ -221,8 +221,7 @@ class Engine:
         torch.set_grad_enabled(False)
         while not self._stop.is_set():
             self._admit()
-            for slot, seq in enumerate(self.active):
-                self._try(seq, self._sample, slot)
+            self._sample_all()
             self._retire()
             self._look_up(self.active)
             if self.active:
@@ -379,6 +378,24 @@ class Engine:
             return None
         values, ids = torch.topk(logp, min(n, logp.shape[0]))
         return {int(i): float(v) for i, v in zip(ids, values)}
+
+    def _sample_all(self) -> None:
+        """Every running sequence's next tokens: those without drafts sampled together (one
+        at a time if that fails, so that a sequence whose settings fail fails alone)."""
+        plain = [s for s in self.active if not (s.done or s.cancelled or s.drafts)]
+        tokens = []
+        try:
+            if plain:
+                samplings, generators = [s.sampling for s in plain], [s.generator for s in plain]
+                tokens = sample_tokens(torch.cat([s.logp for s in plain]), samplings, generators)
+        except Exception:
+            plain = []
+        for seq, token in zip(plain, tokens):
+            self._try(seq, self._emit, token, seq.logp[0])
+        sampled = {id(s) for s in plain}
+        for slot, seq in enumerate(self.active):
+            if id(seq) not in sampled:
+                self._try(seq, self._sample, slot)
 
     def _sample(self, seq: Sequence, slot: int) -> None:
         """The next token, or several when drafts are kept: each draft is checked in turn

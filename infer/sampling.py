@@ -32,9 +32,21 @@ def sample_token(logp: torch.Tensor, s: Sampling, generator: torch.Generator) ->
     """Draw the next token from log-probabilities [vocab] with ``s``'s temperature, top-k and
     top-p. Safe for any temperature >= 0 and top_p > 0: tiny temperatures are greedy, and top-p
     always keeps the most likely token."""
-    if s.temperature < GREEDY_BELOW:
-        return int(logp.argmax())
-    return int(torch.multinomial(_probabilities(logp, s), 1, generator=generator))
+    return sample_tokens(logp[None], [s], [generator])[0]
+
+
+def sample_tokens(
+    logp: torch.Tensor, samplings: list[Sampling], generators: list[torch.Generator]
+) -> list[int]:
+    """``sample_token`` for every row of ``logp`` [N, vocab] at once (row ``i`` with
+    ``samplings[i]`` and ``generators[i]``): the same tokens as one row at a time."""
+    tokens = logp.argmax(-1).tolist()
+    drawn = [i for i, s in enumerate(samplings) if s.temperature >= GREEDY_BELOW]
+    if drawn:
+        probs = _probabilities_rows(logp[drawn], [samplings[i] for i in drawn])
+        for i, token in zip(drawn, _draw(probs, [generators[i] for i in drawn])):
+            tokens[i] = token
+    return tokens
 
 
 def check_draft(logp: torch.Tensor, draft: int, s: Sampling, generator: torch.Generator) -> int:
@@ -48,19 +60,40 @@ def check_draft(logp: torch.Tensor, draft: int, s: Sampling, generator: torch.Ge
     if float(torch.rand(1, generator=generator)) < float(probs[draft]):
         return draft
     probs[draft] = 0.0
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return _draw(probs[None], [generator])[0]
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
+    """One token per row of ``probs`` [N, vocab] (unnormalised, non-negative), each from its
+    generator's next uniform number by inverting the row's cumulative distribution."""
+    u = torch.cat([torch.rand(1, generator=g) for g in generators])
+    cdf = probs.cumsum(-1)
+    # right=True: the first token whose cumulative mass passes the draw has positive mass
+    picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
+    return picks[:, 0].clamp(max=probs.shape[1] - 1).tolist()
 
 
 def _probabilities(logp: torch.Tensor, s: Sampling) -> torch.Tensor:
     """The distribution ``s`` samples from (temperature, then top-k, then top-p)."""
-    scaled = (logp - logp.max()) / s.temperature  # the best token at 0: nothing overflows
-    if s.top_k:
-        cutoff = torch.topk(scaled, min(s.top_k, scaled.shape[0])).values[-1]
+    return _probabilities_rows(logp[None], [s])[0]
+
+
+def _probabilities_rows(logp: torch.Tensor, samplings: list[Sampling]) -> torch.Tensor:
+    """The distribution each row's sampling draws from, for rows [N, vocab] of ``logp``."""
+    vocab = logp.shape[1]
+    temperature = torch.tensor([s.temperature for s in samplings], dtype=logp.dtype)
+    scaled = (logp - logp.max(-1, keepdim=True).values) / temperature[:, None]  # best: 0
+    top_k = [min(s.top_k or vocab, vocab) for s in samplings]
+    if min(top_k) < vocab:
+        kth = torch.topk(scaled, max(top_k)).values  # [N, max k], descending
+        cutoff = kth.gather(1, torch.tensor(top_k)[:, None] - 1)
         scaled = scaled.masked_fill(scaled < cutoff, float("-inf"))
-    if s.top_p < 1.0:
-        order = torch.argsort(scaled, descending=True)
-        probs = torch.softmax(scaled[order], dim=-1)
-        drop = probs.cumsum(0) - probs >= s.top_p  # the mass of the tokens before each one
-        drop[0] = False
-        scaled[order[drop]] = float("-inf")
+    top_p = torch.tensor([s.top_p for s in samplings], dtype=logp.dtype)
+    if bool((top_p < 1.0).any()):
+        ordered, order = torch.sort(scaled, dim=-1, descending=True)
+        probs = torch.softmax(ordered, dim=-1)
+        limit = torch.where(top_p < 1.0, top_p, torch.inf)[:, None]  # rows without top-p: none
+        drop = probs.cumsum(-1) - probs >= limit  # the mass of the tokens before each one
+        drop[:, 0] = False
+        scaled = scaled.scatter(1, order, ordered.masked_fill(drop, float("-inf")))
     return torch.softmax(scaled, -1)

@@ -19,7 +19,7 @@ from teralm.infer.fp8 import Fp8Embedding, Fp8Linear
 from teralm.infer.load import load_model
 from teralm.infer.mixture import infgram_probs, next_token_logp
 from teralm.infer.prefix_cache import PrefixCache
-from teralm.infer.sampling import Sampling, check_draft
+from teralm.infer.sampling import Sampling, check_draft, sample_token, sample_tokens
 from teralm.infer.sampling import _probabilities as sampler_distribution
 from teralm.model import ModelConfig, Transformer, checkpoint
 from teralm.model.kv_cache import KVCache
@@ -206,6 +206,49 @@ def test_drafts_from_the_index_change_no_greedy_token_nor_logprob(
             assert abs(x.logprob - y.logprob) < 1e-4 and x.top.keys() == y.top.keys()
     want = greedy(model, ix, text[:20], 24)
     assert ix.decode([e.token for e in drafted[0]]) == want
+
+
+def reference_distribution(logp: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """Temperature, then the ``top_k`` most likely, then the fewest most likely tokens whose
+    mass reaches ``top_p``, one token at a time in fp64."""
+    p = torch.softmax(logp.double() / s.temperature, -1)
+    order = sorted(range(len(p)), key=lambda t: -float(p[t]))
+    kept, mass = [], 0.0
+    for t in order[: s.top_k or len(p)]:
+        if kept and mass >= s.top_p:
+            break
+        kept.append(t)
+        mass += float(p[t] / p[order[: s.top_k or len(p)]].sum())
+    out = torch.zeros_like(p)
+    out[kept] = p[kept]
+    return out / out.sum()
+
+
+def test_the_sampler_draws_from_temperature_top_k_and_top_p():
+    """The distribution equals a plain reference for each setting; rows sampled together
+    give the tokens each gives alone; the draws follow the distribution; greedy is argmax."""
+    torch.manual_seed(0)
+    logp = torch.log_softmax(torch.randn(6, 12) * 2, dim=-1)
+    settings = [
+        Sampling(temperature=0.7),
+        Sampling(temperature=1.2, top_k=3),
+        Sampling(temperature=1.0, top_p=0.6),
+        Sampling(temperature=0.9, top_k=5, top_p=0.8),
+        Sampling(temperature=0),
+        Sampling(temperature=1.5, top_p=0.999),
+    ]
+    for row, s in zip(logp, settings[:4] + settings[5:]):
+        got = sampler_distribution(row, s).double()
+        assert torch.allclose(got, reference_distribution(row, s), atol=1e-6), s
+    seeds = lambda: [torch.Generator().manual_seed(i) for i in range(6)]  # noqa: E731
+    together = sample_tokens(logp, settings, seeds())
+    alone = [sample_token(row, s, g) for row, s, g in zip(logp, settings, seeds())]
+    assert together == alone and together[4] == int(logp[4].argmax())
+    generator, n = torch.Generator().manual_seed(2), 5000
+    for row, s in zip(logp[:4], settings[:4]):
+        draws = torch.tensor([sample_token(row, s, generator) for _ in range(n)])
+        got = torch.bincount(draws, minlength=12) / n
+        assert (got - sampler_distribution(row, s)).abs().max() < 0.03, s
 
 
 def test_checking_a_draft_samples_the_samplers_distribution():
