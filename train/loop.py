@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import math
 import sys
@@ -25,6 +26,23 @@ METRICS = "metrics.jsonl"
 RUN_CONFIG = "config.json"
 # settings that may change when a run is resumed (its length); anything else must match
 RESUMABLE_CHANGES = {"max_steps", "max_minutes", "checkpoint_every", "log_every"}
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc keep freed memory for reuse (True where it could be set).
+
+    By default it returns large blocks to the system on free and maps them afresh on the next
+    allocation, so every step page-faults its activations in anew: 5-10% of a tiny-preset
+    step here. Blocks up to 32 MiB now come from the heap, which is trimmed only past 1 GiB
+    free."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(M_TRIM_THRESHOLD, 1 << 30))
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:
@@ -173,6 +191,7 @@ def train(
 ) -> TrainResult:
     """Train (or continue) the run in folder ``run``."""
     device = device or default_device()
+    keep_freed_memory()
     cfg = config.train
     precision = choose_precision(config.model.precision, device)
     config.model.precision = precision.precision
