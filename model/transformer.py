@@ -87,11 +87,44 @@ def rope_tables(head_dim: int, length: int, base: float) -> tuple[torch.Tensor, 
     return angles.cos().float(), angles.sin().float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (first half, second half) of ``x`` [B, H, T, D] by position."""
-    a, b = x.chunk(2, dim=-1)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+class NormRope(torch.autograd.Function):
+    """QK-norm then rotary positions, fused: ``x`` [B, H, T, D] RMS-normalised over its head
+    vectors and scaled by ``weight`` [D], then each channel pair (``i``, ``i + D/2``) rotated by
+    its position's angle (``cos``/``sin`` broadcast to [..., T, D/2]).
+
+    The weight is folded into the rotation, the mean square is accumulated in fp32, and the
+    backward is written out (the rotation's transpose, then RMSNorm's), saving only the
+    normalised input and its scale: a third of the passes autograd makes over the chain."""
+
+    @staticmethod
+    def forward(ctx, x, weight, cos, sin, eps: float):
+        half = x.shape[-1] // 2
+        wide = torch.promote_types(x.dtype, torch.float32)
+        square = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=wide) ** 2
+        scale = torch.rsqrt(square / x.shape[-1] + eps).to(x.dtype)
+        n = x * scale
+        w, cos, sin = weight.to(x.dtype), cos.to(x.dtype), sin.to(x.dtype)
+        a, b = n[..., :half], n[..., half:]
+        y = torch.empty_like(n)
+        first, second = y[..., :half], y[..., half:]
+        torch.mul(a, cos * w[:half], out=first).addcmul_(b, sin * w[half:], value=-1)
+        torch.mul(a, sin * w[:half], out=second).addcmul_(b, cos * w[half:])
+        ctx.save_for_backward(n, scale, weight, cos, sin)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        n, scale, weight, cos, sin = ctx.saved_tensors
+        half = n.shape[-1] // 2
+        g1, g2 = grad[..., :half], grad[..., half:]
+        g_scaled = torch.empty_like(n)  # the gradient at rms_norm(x) * weight
+        torch.mul(g1, cos, out=g_scaled[..., :half]).addcmul_(g2, sin)
+        torch.mul(g2, cos, out=g_scaled[..., half:]).addcmul_(g1, sin, value=-1)
+        wide = torch.promote_types(n.dtype, torch.float32)
+        g_weight = torch.sum(g_scaled * n, dim=tuple(range(n.dim() - 1)), dtype=wide)
+        g_n = g_scaled * weight.to(n.dtype)
+        g_x = scale * (g_n - n * (g_n * n).mean(-1, keepdim=True))
+        return g_x, g_weight.to(weight.dtype), None, None, None
 
 
 class Attention(nn.Module):
@@ -112,8 +145,8 @@ class Attention(nn.Module):
         ``cache``, the rows continue cached sequences (generation, see teralm.model.kv_cache)."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
-        q = apply_rope(self.q_norm(q), cos, sin)
-        k = apply_rope(self.k_norm(k), cos, sin)
+        q = NormRope.apply(q, self.q_norm.weight, cos, sin, self.q_norm.eps)
+        k = NormRope.apply(k, self.k_norm.weight, cos, sin, self.k_norm.eps)
         if cache is not None:
             y = cache.attend(q, k, v, self.window)
         elif self.window is None or self.window >= T:

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from teralm.model import ModelConfig, Transformer
-from teralm.model.transformer import IndexInput, ReLUSquared, length_bucket, lm_loss
+from teralm.model.transformer import (
+    IndexInput,
+    NormRope,
+    ReLUSquared,
+    length_bucket,
+    lm_loss,
+    rope_tables,
+)
 
 
 def small(**overrides) -> ModelConfig:
@@ -183,3 +191,35 @@ def test_infgram_mixture_is_a_distribution_and_its_loss_matches():
         lambda gt: index_lm_loss(logits, gt, targets, total, hits)[0],
         (gate.clone().requires_grad_(),),
     )
+
+
+def norm_then_rope(x, weight, cos, sin, eps):
+    """The unfused reference: RMSNorm with ``weight``, then the rotation of channel pairs."""
+    u = F.rms_norm(x, (x.shape[-1],), weight, eps)
+    a, b = u.chunk(2, dim=-1)
+    return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+
+
+@pytest.mark.parametrize("decoding", [False, True], ids=["training", "decode"])
+def test_fused_norm_rope_equals_norm_then_rope(decoding):
+    """Values and gradients (fp64 finite differences, and autograd of the unfused chain) with
+    the training tables [T, D/2] and the decode ones [B, 1, T, D/2]; bf16 within its rounding."""
+    torch.manual_seed(0)
+    B, H, T, D = 2, 3, 5, 8
+    cos, sin = (t.double() for t in rope_tables(D, 16, 10_000.0))
+    if decoding:
+        positions = torch.tensor([[3, 4, 5, 6, 7], [0, 1, 2, 9, 11]])
+        cos, sin = cos[positions][:, None], sin[positions][:, None]
+    else:
+        cos, sin = cos[:T], sin[:T]
+    x = torch.randn(B, H, T, D, dtype=torch.float64, requires_grad=True)
+    w = (1 + 0.3 * torch.randn(D, dtype=torch.float64)).requires_grad_()
+    fused = lambda x, w: NormRope.apply(x, w, cos, sin, 1e-6)  # noqa: E731
+    assert torch.allclose(fused(x, w), norm_then_rope(x, w, cos, sin, 1e-6), atol=1e-12)
+    assert torch.autograd.gradcheck(fused, (x, w), eps=1e-6, atol=1e-7)
+    grad = torch.randn(B, H, T, D, dtype=torch.float64)
+    got = torch.autograd.grad(fused(x, w), (x, w), grad)
+    want = torch.autograd.grad(norm_then_rope(x, w, cos, sin, 1e-6), (x, w), grad)
+    assert all(torch.allclose(g, r, atol=1e-10) for g, r in zip(got, want))
+    half = NormRope.apply(x.bfloat16(), w.float(), cos.float(), sin.float(), 1e-6)
+    assert (half.double() - fused(x, w)).abs().max() < 0.05
