@@ -42,6 +42,39 @@ class Linear(nn.Module):
 MAX_COUNT = 1 << 24  # ∞-gram counts above this share the last bucket
 
 
+def _normalised(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` over the RMS of its last dimension (accumulated in fp32 at least), and that scale."""
+    wide = torch.promote_types(x.dtype, torch.float32)
+    square = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=wide) ** 2
+    scale = torch.rsqrt(square / x.shape[-1] + eps).to(x.dtype)
+    return x * scale, scale
+
+
+def _normalised_backward(g_scaled, n, scale, weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients at ``x`` and ``weight`` of ``_normalised(x) * weight``, from the one at
+    its output (``n``, ``scale``: what ``_normalised`` gave)."""
+    wide = torch.promote_types(n.dtype, torch.float32)
+    g_weight = torch.sum(g_scaled * n, dim=tuple(range(n.dim() - 1)), dtype=wide)
+    g_n = g_scaled * weight.to(n.dtype)
+    g_x = scale * (g_n - n * (g_n * n).mean(-1, keepdim=True))
+    return g_x, g_weight.to(weight.dtype)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """``rms_norm(x) * weight`` with a written-out backward that saves the normalised input and
+    its scale (PyTorch's CPU rms_norm is a chain of elementwise ops, each saved for autograd)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        n, scale = _normalised(x, eps)
+        ctx.save_for_backward(n, scale, weight)
+        return n * weight.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (*_normalised_backward(grad, *ctx.saved_tensors), None)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -49,7 +82,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight.to(x.dtype), self.eps)
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 def length_bucket(length: torch.Tensor) -> torch.Tensor:
@@ -99,10 +132,7 @@ class NormRope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, cos, sin, eps: float):
         half = x.shape[-1] // 2
-        wide = torch.promote_types(x.dtype, torch.float32)
-        square = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=wide) ** 2
-        scale = torch.rsqrt(square / x.shape[-1] + eps).to(x.dtype)
-        n = x * scale
+        n, scale = _normalised(x, eps)
         w, cos, sin = weight.to(x.dtype), cos.to(x.dtype), sin.to(x.dtype)
         a, b = n[..., :half], n[..., half:]
         y = torch.empty_like(n)
@@ -120,11 +150,7 @@ class NormRope(torch.autograd.Function):
         g_scaled = torch.empty_like(n)  # the gradient at rms_norm(x) * weight
         torch.mul(g1, cos, out=g_scaled[..., :half]).addcmul_(g2, sin)
         torch.mul(g2, cos, out=g_scaled[..., half:]).addcmul_(g1, sin, value=-1)
-        wide = torch.promote_types(n.dtype, torch.float32)
-        g_weight = torch.sum(g_scaled * n, dim=tuple(range(n.dim() - 1)), dtype=wide)
-        g_n = g_scaled * weight.to(n.dtype)
-        g_x = scale * (g_n - n * (g_n * n).mean(-1, keepdim=True))
-        return g_x, g_weight.to(weight.dtype), None, None, None
+        return (*_normalised_backward(g_scaled, n, scale, weight), None, None, None)
 
 
 class Attention(nn.Module):

@@ -11,6 +11,7 @@ from teralm.model.transformer import (
     IndexInput,
     NormRope,
     ReLUSquared,
+    RMSNorm,
     length_bucket,
     lm_loss,
     rope_tables,
@@ -223,3 +224,19 @@ def test_fused_norm_rope_equals_norm_then_rope(decoding):
     assert all(torch.allclose(g, r, atol=1e-10) for g, r in zip(got, want))
     half = NormRope.apply(x.bfloat16(), w.float(), cos.float(), sin.float(), 1e-6)
     assert (half.double() - fused(x, w)).abs().max() < 0.05
+
+
+def test_rms_norm_equals_pytorchs():
+    """Values and gradients against ``F.rms_norm`` (fp64 autograd and finite differences)."""
+    torch.manual_seed(1)
+    norm = RMSNorm(8).double()
+    with torch.no_grad():
+        norm.weight.mul_(1 + 0.3 * torch.randn(8, dtype=torch.float64))
+    x = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    want = F.rms_norm(x, (8,), norm.weight, norm.eps)
+    assert torch.allclose(norm(x), want, atol=1e-12)
+    grad = torch.randn_like(x)
+    got = torch.autograd.grad(norm(x), (x, norm.weight), grad)
+    ref = torch.autograd.grad(want, (x, norm.weight), grad)
+    assert all(torch.allclose(g, r, atol=1e-10) for g, r in zip(got, ref))
+    assert torch.autograd.gradcheck(norm, (x,))
