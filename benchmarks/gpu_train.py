@@ -27,11 +27,12 @@ SHAPES = {
 
 
 def run(index, shape: str, precision: str, steps: int, compile_model: bool) -> dict:
+    from teralm.infer.precision import autocast
     from teralm.model import ModelConfig, Transformer
     from teralm.model.transformer import lm_loss
     from teralm.train.config import TrainConfig
     from teralm.train.data import FragmentSampler
-    from teralm.train.loop import autocast, make_optimizer
+    from teralm.train.optim import make_optimizer
 
     device = torch.device("cuda")
     torch.manual_seed(0)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from teralm.model.config import AUTO, PRECISIONS
-from teralm.train.config import PRESETS
+from teralm.train.config import COMMS, PRESETS
 
 
 def add_parsers(sub) -> None:
@@ -26,6 +27,13 @@ def add_parsers(sub) -> None:
     t.add_argument("--max-minutes", type=float)
     t.add_argument("--checkpoint-every", type=int, help="steps between checkpoints")
     t.add_argument("--seed", type=int)
+    t.add_argument("--batch-size", type=int, help="the global batch, split over the processes")
+    t.add_argument(
+        "--comm", choices=COMMS, help="how torchrun's processes agree each step (allreduce)"
+    )
+    t.add_argument("--demo-chunk", type=int, help="DeMo: chunk size of the DCT (64)")
+    t.add_argument("--demo-topk", type=int, help="DeMo: components sent per chunk (32)")
+    t.add_argument("--demo-beta", type=float, help="DeMo: momentum (0.999)")
     t.add_argument("--quiet", action="store_true")
 
     e = sub.add_parser("eval", help="held-out bpb / perplexity: model, ∞-gram, interpolation")
@@ -145,17 +153,26 @@ def _train(args: argparse.Namespace) -> int:
             config.model.index_input = False
         if args.precision:
             config.model.precision = args.precision
-        for name in ("max_steps", "max_minutes", "checkpoint_every", "seed"):
-            if getattr(args, name) is not None:
-                setattr(config.train, name, getattr(args, name))
+        overrides = {name: getattr(args, name) for name in TRAIN_FLAGS}
+        config.train = dataclasses.replace(
+            config.train, **{k: v for k, v in overrides.items() if v is not None}
+        )
         result = train(ix, config, args.out, resume=args.resume, progress=not args.quiet)
     except ValueError as e:
         return _fail("train", str(e))
     except KeyboardInterrupt:
         return _fail("train", f"interrupted; continue with --resume (--out {args.out})")
-    plot_loss(args.out)
-    print(summary(args.out, result))
+    if result.main:
+        plot_loss(args.out)
+        print(summary(args.out, result))
     return 0
+
+
+# train settings that have a flag of their own
+TRAIN_FLAGS = (
+    "max_steps", "max_minutes", "checkpoint_every", "seed", "batch_size", "comm", "demo_chunk",
+    "demo_topk", "demo_beta",
+)  # fmt: skip
 
 
 def _load(args: argparse.Namespace, device, generating: bool = False):

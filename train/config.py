@@ -10,6 +10,7 @@ import tomllib
 from teralm.model.config import ModelConfig
 
 SCHEDULES = ("cosine", "wsd")
+COMMS = ("allreduce", "onebit", "demo")  # gradient exchanges, see teralm.train.distributed
 # training settings added later, with the value that means "as runs trained before them"
 ADDED_SINCE = {"own_loss_weight": 0.0, "index_dropout": 0.0}
 
@@ -25,6 +26,10 @@ class TrainConfig:
     (unmixed) loss, so the model stays a good predictor where the ∞-gram is weak or silent
     instead of learning only what the ∞-gram misses. ``index_dropout``: the fraction of
     training fragments shown without index features or ∞-gram, as new text would be.
+    ``batch_size`` is the global batch: with ``torchrun``, each of the W processes takes
+    ``batch_size / W`` fragments. ``comm``: how the processes agree each step (see
+    teralm.train.distributed); ``demo_*``: DeMo's chunk size, components kept per chunk and
+    momentum.
     """
 
     batch_size: int = 16
@@ -48,10 +53,20 @@ class TrainConfig:
     holdout_every: int = 50
     own_loss_weight: float = 0.5
     index_dropout: float = 0.1
+    comm: str = "allreduce"
+    demo_chunk: int = 64
+    demo_topk: int = 32
+    demo_beta: float = 0.999
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}")
+        if self.comm not in COMMS:
+            raise ValueError(f"comm must be one of {', '.join(COMMS)}, not {self.comm!r}")
+        if self.demo_chunk < 1 or self.demo_topk < 1:
+            raise ValueError("demo_chunk and demo_topk must be at least 1")
+        if not 0 <= self.demo_beta < 1:
+            raise ValueError("demo_beta must be in [0, 1)")
         for name in (
             "batch_size",
             "seq_len",

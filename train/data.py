@@ -90,7 +90,9 @@ class FragmentSampler:
     """Deterministic random fragments of ``seq_len + 1`` tokens from the training spans.
 
     A fraction ``index_dropout`` of the fragments, drawn per batch, come without index
-    features and without ∞-gram counts, as text the index has never seen would."""
+    features and without ∞-gram counts, as text the index has never seen would. Process
+    ``rank`` of ``world`` draws its own ``batch_size`` fragments, determined by (seed, step,
+    micro-batch, rank, world); one process draws as it always has, by (seed, step, micro)."""
 
     def __init__(
         self,
@@ -101,8 +103,11 @@ class FragmentSampler:
         holdout_every: int,
         infgram: bool = False,
         index_dropout: float = 0.0,
+        rank: int = 0,
+        world: int = 1,
     ):
         self.ix, self.seq_len, self.batch_size, self.seed = ix, seq_len, batch_size, seed
+        self.key = [] if world == 1 else [rank, world]
         self.infgram, self.index_dropout = infgram, index_dropout
         spans = training_spans(ix, holdout_every)
         room = spans[:, 1] - spans[:, 0] - seq_len  # fragment starts per span
@@ -121,7 +126,7 @@ class FragmentSampler:
 
     def batch(self, step: int, micro: int = 0) -> Batch:
         """Micro-batch ``micro`` of step ``step``."""
-        rng = np.random.default_rng([self.seed, step, micro])
+        rng = np.random.default_rng([self.seed, step, micro, *self.key])
         picks = rng.integers(0, int(self.cumulative[-1]), size=self.batch_size)
         span = np.searchsorted(self.cumulative, picks, side="right")
         before = np.where(span > 0, self.cumulative[np.maximum(span - 1, 0)], 0)

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from teralm.index import Index
@@ -21,6 +22,8 @@ from teralm.model import Transformer, checkpoint
 from teralm.model.transformer import index_lm_loss
 from teralm.train.config import RunConfig, TrainConfig
 from teralm.train.data import FragmentSampler, prefetched
+from teralm.train.distributed import World, join_world, leave_world, make_exchange
+from teralm.train.optim import make_optimizer
 
 METRICS = "metrics.jsonl"
 RUN_CONFIG = "config.json"
@@ -60,18 +63,6 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
 
 
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW, fused (one kernel for all parameters, on the CPU too); matrices decay, vectors
-    (norm weights, biases) do not."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    rest = [p for p in model.parameters() if p.ndim < 2]
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": rest, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
-
-
 @dataclass
 class TrainResult:
     steps: int
@@ -80,6 +71,8 @@ class TrainResult:
     wall_s: float
     stopped: str  # "max_steps" or "max_minutes"
     parameters: int
+    bytes_sent: int = 0  # by this process to the others, in all
+    main: bool = True  # whether this process is the one that writes the run (rank 0)
 
 
 def check_resumable(saved: dict, config: RunConfig, identity: dict) -> None:
@@ -189,8 +182,69 @@ def train(
     progress: bool = True,
     device: torch.device | None = None,
 ) -> TrainResult:
-    """Train (or continue) the run in folder ``run``."""
+    """Train (or continue) the run in folder ``run``: on the processes ``torchrun`` started
+    (data-parallel, see teralm.train.distributed), or in this one."""
     device = device or default_device()
+    world = join_world(device.type)
+    try:
+        if device.type == "cuda" and world.size > 1:
+            device = torch.device("cuda", world.local_rank)
+            torch.cuda.set_device(device)
+        return _train(ix, config, run, resume, progress and world.main, device, world)
+    finally:
+        leave_world(world)
+
+
+def _open_run_everywhere(run: Path, resume: bool, world: World) -> Path | None:
+    """``open_run`` on the main process, then the checkpoint to resume from, on every one."""
+    error = None
+    if world.main:
+        try:
+            open_run(run, resume)
+        except ValueError as e:
+            error = e
+    if world.size > 1:
+        failed = torch.tensor([error is not None], dtype=torch.int32)
+        dist.broadcast(failed, src=0)
+        if failed.item() and error is None:
+            raise ValueError("the main process (rank 0) refused the run folder: see its error")
+    if error is not None:
+        raise error
+    return checkpoint.latest(run) if resume else None
+
+
+def _check_world(cfg: TrainConfig, world: World, state: dict | None) -> None:
+    if cfg.batch_size % world.size:
+        raise ValueError(
+            f"batch_size {cfg.batch_size} (the global batch) is not a multiple of the "
+            f"{world.size} processes; choose a batch_size that {world.size} divides"
+        )
+    saved = (state or {}).get("world_size", 1)
+    if state is not None and saved != world.size:
+        raise ValueError(
+            f"the run was trained on {saved} processes, and resuming on {world.size} is not "
+            f"supported; resume it with torchrun --nproc-per-node {saved} (in all)"
+        )
+
+
+def _agree(value: float, world: World, op: str = "sum") -> float:
+    """``value`` summed (or, with ``op="max"``, the largest) over the processes."""
+    if world.size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return float(t[0])
+
+
+def _train(
+    ix: Index,
+    config: RunConfig,
+    run: Path,
+    resume: bool,
+    progress: bool,
+    device: torch.device,
+    world: World,
+) -> TrainResult:
     keep_freed_memory()
     cfg = config.train
     precision = choose_precision(config.model.precision, device)
@@ -198,35 +252,45 @@ def train(
     config.model.vocab_size, config.model.max_match = ix.vocab_size, ix.max_match
     config.model.max_seq_len = max(config.model.max_seq_len, cfg.seq_len)
     identity = ix.identity()
-    folder = open_run(run, resume)
+    _check_world(cfg, world, None)
+    folder = _open_run_everywhere(run, resume, world)
 
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # the same initial weights on every process
     model = Transformer(config.model).to(device)
-    optimizer = make_optimizer(model, cfg)
+    optimizer = make_optimizer(model, cfg, world)
+    exchange = make_exchange(cfg.comm, world)
+    traffic = exchange.traffic if exchange is not None else optimizer.traffic
     start, tokens_done, wall_before = 0, 0, 0.0
     if folder is not None:
         weights, opt_tensors, state = checkpoint.load(folder)
         check_resumable(state, config, identity)
+        _check_world(cfg, world, state)
         model.load_state_dict(weights)
         torch.set_rng_state(opt_tensors.pop("torch_rng"))
         checkpoint.restore_optimizer(optimizer, opt_tensors, state["optimizer"])
         start, tokens_done, wall_before = state["step"], state["tokens"], state["wall_s"]
-    _truncate_metrics(run / METRICS, start)
+    if world.main:
+        _truncate_metrics(run / METRICS, start)
     forward = torch.compile(model) if cfg.compile else model
     sampler = FragmentSampler(
         ix,
         cfg.seq_len,
-        cfg.batch_size,
+        cfg.batch_size // world.size,
         cfg.seed,
         cfg.holdout_every,
         infgram=model.mixture_gate is not None,
         index_dropout=cfg.index_dropout if config.model.index_input else 0.0,
+        rank=world.rank,
+        world=world.size,
     )
-    record = {"config": config.to_dict(), "index": identity, "precision": precision.to_dict()}
-    fmt.write_atomic(run / RUN_CONFIG, json.dumps(record, indent=1).encode())
+    if world.main:
+        record = {"config": config.to_dict(), "index": identity, "precision": precision.to_dict()}
+        fmt.write_atomic(run / RUN_CONFIG, json.dumps(record, indent=1).encode())
     if progress:
         print(f"precision {precision.precision}: {precision.reason}", file=sys.stderr)
-    if precision.warning:
+        if world.size > 1:
+            print(f"{world.size} processes, gradients by {cfg.comm}", file=sys.stderr)
+    if precision.warning and world.main:
         print(f"warning: {precision.warning}", file=sys.stderr)
 
     saved_step = start if folder is not None else None
@@ -234,14 +298,18 @@ def train(
     def save(step: int) -> None:
         nonlocal saved_step
         saved_step = step
+        if not world.main:
+            return
         state = {
             "config": config.to_dict(),
             "index": identity,
             "tokens": tokens_done,
             "wall_s": wall_before + time.perf_counter() - t0,
+            "world_size": world.size,
         }
         checkpoint.save(run, step, model, optimizer, state)
 
+    params = [p for p in model.parameters() if p.requires_grad]
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
     t0 = time.perf_counter()
     last_log, loss_value, stopped, step = t0, float("nan"), "max_steps", start
@@ -250,14 +318,19 @@ def train(
         (step, micro) for step in range(start, cfg.max_steps) for micro in range(cfg.grad_accum)
     ]
     batches = prefetched(sampler, keys)
-    with open(run / METRICS, "a") as metrics, contextlib.closing(batches):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(contextlib.closing(batches))
+        metrics = stack.enter_context(open(run / METRICS, "a")) if world.main else None
         for step in range(start, cfg.max_steps):
-            if cfg.max_minutes and wall_before + time.perf_counter() - t0 > 60 * cfg.max_minutes:
-                stopped = "max_minutes"
-                break
+            if cfg.max_minutes:
+                late = wall_before + time.perf_counter() - t0 > 60 * cfg.max_minutes
+                if _agree(float(late), world, "max"):
+                    stopped = "max_minutes"
+                    break
             lr = learning_rate(cfg, step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
+            traffic.new_step()
             micro_losses = []  # read back only when logged: no device sync per step
             for _ in range(cfg.grad_accum):
                 batch = next(batches).to(device)
@@ -273,13 +346,15 @@ def train(
                 loss = mixed + cfg.own_loss_weight * own if gate is not None else mixed
                 (loss / cfg.grad_accum).backward()
                 micro_losses.append(mixed.detach())
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            if exchange is not None:
+                exchange.exchange(params)
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             tokens_done += tokens_per_step
             now = time.perf_counter()
             if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.max_steps:
-                loss_value = _step_loss(micro_losses)
+                loss_value = _agree(_step_loss(micro_losses), world) / world.size
                 rate = tokens_per_step * cfg.log_every / max(now - last_log, 1e-9)
                 last_log = now
                 record = {
@@ -289,9 +364,12 @@ def train(
                     "tokens": tokens_done,
                     "tok_per_s": rate,
                     "elapsed_s": wall_before + now - t0,
+                    "sent_bytes": traffic.step_sent,
+                    "received_bytes": traffic.step_received,
                 }
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
+                if world.main:
+                    metrics.write(json.dumps(record) + "\n")
+                    metrics.flush()
                 bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{rate:,.0f}")
             bar.update(1)
             if (step + 1) % cfg.checkpoint_every == 0:
@@ -300,8 +378,11 @@ def train(
             step = cfg.max_steps
     bar.close()
     if step > start:
-        loss_value = _step_loss(micro_losses)
+        loss_value = _agree(_step_loss(micro_losses), world) / world.size
     if saved_step != step:
         save(step)
     wall = wall_before + time.perf_counter() - t0
-    return TrainResult(step, loss_value, tokens_done, wall, stopped, model.num_parameters())
+    return TrainResult(
+        step, loss_value, tokens_done, wall, stopped, model.num_parameters(), traffic.sent,
+        world.main,
+    )  # fmt: skip

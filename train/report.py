@@ -52,6 +52,11 @@ def summary(run: Path, result: TrainResult) -> str:
             f"loss       {result.final_loss:.4f} nats/token (last step)",
             f"speed      {rate:,.0f} tokens/s (last interval)",
             f"wall       {result.wall_s:.1f} s",
+            *(
+                [f"sent       {result.bytes_sent:,} bytes by this process to the others"]
+                if result.bytes_sent
+                else []
+            ),
             f"files      {run / METRICS}, {run / 'loss.png'}, {run / checkpoint.LATEST}",
         ]
     )

@@ -1,0 +1,301 @@
+"""Data-parallel training: real processes under torchrun (gloo on 127.0.0.1), the exchanges'
+compression against plain references, and bad settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.fft
+import torch
+from conftest import build_docs, random_documents
+from safetensors.torch import load_file
+from test_cli import ENV, run_cli
+
+from teralm.infer.precision import autocast
+from teralm.model import Transformer
+from teralm.model.transformer import index_lm_loss
+from teralm.train.config import RunConfig
+from teralm.train.data import FragmentSampler
+from teralm.train.distributed import (
+    DCTTopK,
+    OneBit,
+    World,
+    dct_matrix,
+    pack_signs,
+    unpack_signs,
+)
+from teralm.train.loop import learning_rate
+from teralm.train.optim import DeMo, make_optimizer
+
+CONFIG = """
+[model]
+n_layer = 1
+n_head = 2
+d_model = 16
+max_seq_len = 16
+precision = "fp32"
+[train]
+batch_size = 6
+seq_len = 16
+max_steps = 4
+warmup_steps = 2
+checkpoint_every = 100
+log_every = 1
+holdout_every = 5
+"""
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    rng = np.random.default_rng(5)
+    docs = random_documents(rng, 40, alphabet="abcd", max_len=200)
+    return build_docs(tmp_path_factory.mktemp("corpus"), docs)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(processes: int, *args, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node N -m teralm.cli ARGS`` on 127.0.0.1."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        "-m", "teralm.cli", *map(str, args),
+    ]  # fmt: skip
+    env = {**ENV, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def final_weights(run: Path) -> dict[str, torch.Tensor]:
+    latest = json.loads((run / "latest.json").read_text())["checkpoint"]
+    return load_file(run / latest / "model.safetensors")
+
+
+def union_reference(ix, config: RunConfig, world: int) -> dict[str, torch.Tensor]:
+    """One process training on the union of the ``world`` ranks' batches, written out plainly."""
+    cfg, device = config.train, torch.device("cpu")
+    config.model.vocab_size, config.model.max_match = ix.vocab_size, ix.max_match
+    torch.manual_seed(cfg.seed)
+    model = Transformer(config.model)
+    optimizer = make_optimizer(model, cfg)
+    samplers = [
+        FragmentSampler(
+            ix, cfg.seq_len, cfg.batch_size // world, cfg.seed, cfg.holdout_every,
+            infgram=True, index_dropout=cfg.index_dropout, rank=r, world=world,
+        )
+        for r in range(world)
+    ]  # fmt: skip
+    for step in range(cfg.max_steps):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(cfg, step)
+        parts = [s.batch(step) for s in samplers]
+        tokens, next_token, match_len, targets, total, hits = (
+            torch.cat([getattr(b, name) for b in parts])
+            for name in ("tokens", "next_token", "match_len", "targets", "infgram_total", "infgram_hits")
+        )  # fmt: skip
+        with autocast(device, "fp32"):
+            logits, gate = model(tokens, next_token, match_len, with_gate=True)
+        mixed, own = index_lm_loss(logits, model.gate_logit(gate, total), targets, total, hits)
+        (mixed + cfg.own_loss_weight * own).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("processes", [2, 3])
+def test_allreduce_equals_one_process_on_the_union_of_batches(corpus, tmp_path, processes):
+    """After k steps on N processes the weights are those of one process stepping on all N
+    ranks' fragments at once; the metrics count the all-reduce's bytes."""
+    config = tmp_path / "run.toml"
+    config.write_text(CONFIG)
+    run = tmp_path / "run"
+    out = torchrun(processes, "train", "--index", corpus.directory, "--out", run, "--config", config, "--quiet")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    got = final_weights(run)
+    import tomllib
+
+    want = union_reference(corpus, RunConfig.from_dict(tomllib.loads(CONFIG)), processes)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.allclose(got[name], want[name], atol=2e-5, rtol=1e-4), name
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    numel = sum(v.numel() for k, v in want.items() if not k.startswith("rope"))
+    ring = 2 * (processes - 1) * 4 * numel // processes
+    assert [r["sent_bytes"] for r in records] == [ring] * len(records)
+
+
+def test_dct_is_scipys_orthonormal_dct_ii():
+    x = torch.randn(5, 12, dtype=torch.float64)
+    want = scipy.fft.dct(x.numpy(), type=2, norm="ortho", axis=-1)
+    assert np.allclose((x @ dct_matrix(12).T).numpy(), want)
+    compression = DCTTopK(chunk=4, k=16)
+    m = torch.randn(8, 12, dtype=torch.float64)
+    tiles = compression.transform(m).view(-1, 4, 4)
+    assert np.allclose(tiles[1].numpy(), scipy.fft.dctn(m[:4, 4:8].numpy(), norm="ortho"))
+
+
+@pytest.mark.parametrize("shape", [(8, 12), (10, 7), (12,), (13,), (3, 2, 5)])
+def test_dct_top_k_keeps_the_largest_components_and_the_rest_is_the_residual(shape):
+    """``decode(encode(x))`` holds exactly each chunk's k largest DCT components (all of them:
+    ``x`` itself, edges zero-padded); ``x`` minus it is what was not sent."""
+    torch.manual_seed(0)
+    x = torch.randn(shape, dtype=torch.float64)
+    everything = DCTTopK(chunk=4, k=16)
+    assert torch.allclose(everything.decode(*everything.encode(x), x.shape), x)
+    compression = DCTTopK(chunk=4, k=3)
+    index, values = compression.encode(x)
+    sent = compression.decode(index, values, x.shape)
+    coefficients = compression.transform(x)
+    for row in range(coefficients.shape[0]):  # brute force: sort each chunk's magnitudes
+        top = torch.argsort(coefficients[row].abs(), descending=True)[:3]
+        assert set(top.tolist()) == set(index[row].long().tolist())
+    if all(n % 4 == 0 for n in (shape[0], np.prod(shape[1:]))):  # whole chunks: no padding
+        residual = compression.transform(x - sent)
+        kept = torch.zeros_like(residual, dtype=torch.bool).scatter_(1, index.long(), True)
+        assert torch.allclose(residual[kept], torch.zeros(kept.sum(), dtype=torch.float64))
+        assert torch.allclose(residual[~kept], coefficients[~kept])
+
+
+def test_one_bit_message_is_signs_and_block_means():
+    """Each value decodes to its sign times the mean magnitude of its block; the residual is
+    exactly what the message misses."""
+    torch.manual_seed(1)
+    x = torch.randn(2500)
+    x[7] = 0.0  # zero counts as positive
+    signs, scales = pack_signs(x, block=1024)
+    assert signs.dtype == torch.uint8 and signs.numel() == 313 and scales.numel() == 3
+    decoded = unpack_signs(signs, scales, 2500, 1024)
+    for start in range(0, 2500, 1024):
+        block = x[start : start + 1024].double()
+        mean = block.abs().mean()
+        want = torch.where(block >= 0, mean, -mean)
+        assert torch.allclose(decoded[start : start + 1024].double(), want, atol=1e-6)
+
+
+def test_one_bit_error_feedback_carries_what_was_not_sent():
+    """A step's gradient becomes its 1-bit message; what the message missed is added to the
+    next step's gradient before it is compressed."""
+    torch.manual_seed(2)
+    p = torch.nn.Parameter(torch.zeros(3000))
+    exchange = OneBit(World(), block=1024)
+    g1, g2 = torch.randn(3000), torch.randn(3000)
+    p.grad = g1.clone()
+    exchange.exchange([p])
+    first = unpack_signs(*pack_signs(g1, 1024), 3000, 1024)
+    assert torch.allclose(p.grad, first) and torch.allclose(exchange.residual, g1 - first)
+    p.grad = g2.clone()
+    exchange.exchange([p])
+    corrected = g2 + (g1 - first)
+    second = unpack_signs(*pack_signs(corrected, 1024), 3000, 1024)
+    assert torch.allclose(p.grad, second, atol=1e-6)
+    assert torch.allclose(exchange.residual, corrected - second, atol=1e-6)
+
+
+@pytest.mark.parametrize("comm", ["onebit", "demo"])
+def test_compressed_exchanges_train_on_two_processes(corpus, tmp_path, comm):
+    """Loss falls, and a step sends a small fraction of what the all-reduce sends."""
+    config = tmp_path / "run.toml"
+    config.write_text(CONFIG.replace("max_steps = 4", "max_steps = 30"))
+    run = tmp_path / "run"
+    out = torchrun(
+        2, "train", "--index", corpus.directory, "--out", run, "--config", config,
+        "--comm", comm, "--demo-chunk", 8, "--demo-topk", 4, "--quiet",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert np.mean([r["loss"] for r in records[-5:]]) < np.mean([r["loss"] for r in records[:5]])
+    numel = sum(v.numel() for k, v in final_weights(run).items())
+    allreduce = 2 * (2 - 1) * 4 * numel // 2
+    assert 0 < records[-1]["sent_bytes"] < allreduce / 4
+
+
+def test_bad_settings_get_a_clear_error(corpus, tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text(CONFIG)
+    args = ["train", "--index", corpus.directory, "--config", config, "--quiet"]
+    odd = torchrun(4, *args, "--out", tmp_path / "odd")
+    assert odd.returncode != 0
+    assert "batch_size 6 (the global batch) is not a multiple of the 4 processes" in odd.stderr
+    zero = run_cli(*args, "--out", tmp_path / "zero", "--comm", "demo", "--demo-chunk", 0)
+    assert zero.returncode == 1 and "demo_chunk and demo_topk must be at least 1" in zero.stderr
+    unknown = run_cli(*args, "--out", tmp_path / "unknown", "--comm", "carrier-pigeon")
+    assert unknown.returncode == 2 and "invalid choice: 'carrier-pigeon'" in unknown.stderr
+    assert not any((tmp_path / name).exists() for name in ("zero", "unknown"))
+
+
+def test_one_process_demo_and_onebit_run_the_same_code_path(corpus, tmp_path):
+    """World size 1 exercises the exchanges (DeMo's sign step, 1-bit error feedback) too."""
+    config = tmp_path / "run.toml"
+    config.write_text(CONFIG)
+    for comm in ("onebit", "demo"):
+        out = run_cli("train", "--index", corpus.directory, "--out", tmp_path / comm, "--config", config, "--comm", comm, "--quiet")  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert final_weights(tmp_path / comm).keys()
+    assert os.path.exists(tmp_path / "demo" / "loss.png")
+
+
+def test_demo_sends_the_top_components_and_keeps_the_rest_in_its_momentum():
+    """One DeMo step on one process: the momentum keeps what was not sent, and the weights
+    move by the learning rate against the sign of what was."""
+    torch.manual_seed(3)
+    p = torch.nn.Parameter(torch.randn(16, 24))
+    start, g = p.detach().clone(), torch.randn(16, 24)
+    compression = DCTTopK(chunk=8, k=5)
+    optimizer = DeMo([{"params": [p], "weight_decay": 0.0}], 0.01, 0.9, compression, World())
+    p.grad = g.clone()
+    optimizer.step()
+    sent = compression.decode(*compression.encode(g), g.shape)
+    assert torch.allclose(optimizer.state[p]["momentum"], g - sent, atol=1e-6)
+    assert torch.allclose(p.detach(), start - 0.01 * torch.sign(sent))
+    assert optimizer.traffic.sent == 0  # alone: nothing to send
+
+
+def exchange_on_rank(rank: int, world: int, port: int, out: str) -> None:
+    """Rank ``rank`` of a gloo group: a 1-bit exchange and a DeMo step of its own gradient
+    (seeded by rank); the results go to ``out``."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    me = World(rank, world)
+    g = torch.randn(16, 24, generator=torch.Generator().manual_seed(rank))
+    p = torch.nn.Parameter(torch.zeros(16, 24))
+    p.grad = g.clone()
+    OneBit(me, block=64).exchange([p])
+    onebit = p.grad.clone()
+    q = torch.nn.Parameter(torch.zeros(16, 24))
+    q.grad = g.clone()
+    optimizer = DeMo([{"params": [q], "weight_decay": 0.0}], 0.01, 0.9, DCTTopK(8, 5), me)
+    optimizer.step()
+    save_file({"onebit": onebit, "demo": q.detach().clone()}, f"{out}-{rank}.safetensors")
+    dist.destroy_process_group()
+
+
+def test_two_processes_agree_on_the_mean_of_their_decoded_messages(tmp_path):
+    """Over gloo, every rank ends with the mean of all ranks' decoded messages (1-bit) and with
+    the sign step of the mean of their sent DCT components (DeMo), as computed here alone."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "rank")
+    mp.spawn(exchange_on_rank, args=(2, free_port(), out), nprocs=2, join=True)
+    grads = [torch.randn(16, 24, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    onebit = sum(unpack_signs(*pack_signs(g.reshape(-1), 64), 384, 64) for g in grads) / 2
+    compression = DCTTopK(8, 5)
+    sent = sum(compression.decode(*compression.encode(g), g.shape) for g in grads) / 2
+    for rank in range(2):
+        got = load_file(f"{out}-{rank}.safetensors")
+        assert torch.allclose(got["onebit"].reshape(-1), onebit, atol=1e-6)
+        assert torch.allclose(got["demo"], -0.01 * torch.sign(sent))
