@@ -37,6 +37,7 @@ class World:
     rank: int = 0
     size: int = 1
     local_rank: int = 0
+    device: str = "cpu"  # where the tensors of collectives live (the GPU with NCCL)
 
     @property
     def main(self) -> bool:
@@ -50,7 +51,9 @@ def join_world(device_type: str) -> World:
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size == 1:
         return World()
-    world = World(int(os.environ["RANK"]), size, int(os.environ.get("LOCAL_RANK", "0")))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = f"cuda:{local_rank}" if device_type == "cuda" else "cpu"
+    world = World(int(os.environ["RANK"]), size, local_rank, device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     return world

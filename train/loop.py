@@ -204,7 +204,7 @@ def _open_run_everywhere(run: Path, resume: bool, world: World) -> Path | None:
         except ValueError as e:
             error = e
     if world.size > 1:
-        failed = torch.tensor([error is not None], dtype=torch.int32)
+        failed = torch.tensor([error is not None], dtype=torch.int32, device=world.device)
         dist.broadcast(failed, src=0)
         if failed.item() and error is None:
             raise ValueError("the main process (rank 0) refused the run folder: see its error")
@@ -214,6 +214,8 @@ def _open_run_everywhere(run: Path, resume: bool, world: World) -> Path | None:
 
 
 def _check_world(cfg: TrainConfig, world: World, state: dict | None) -> None:
+    """ValueError unless the processes divide the global batch and (resuming from ``state``)
+    are as many as the run was trained on."""
     if cfg.batch_size % world.size:
         raise ValueError(
             f"batch_size {cfg.batch_size} (the global batch) is not a multiple of the "
@@ -231,7 +233,7 @@ def _agree(value: float, world: World, op: str = "sum") -> float:
     """``value`` summed (or, with ``op="max"``, the largest) over the processes."""
     if world.size == 1:
         return value
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=world.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return float(t[0])
 
