@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -138,6 +139,19 @@ def _fail(command: str, message: str) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    """``teralm train``; under torchrun, the process ends as soon as it is done."""
+    code = _train_run(args)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # The process group is destroyed by now, but gloo's worker threads can still hold
+        # tensors, and freeing them while the interpreter shuts down aborts the process
+        # (std::terminate) now and then, after all the work is done: skip the shutdown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _train_run(args: argparse.Namespace) -> int:
     from teralm.index import Index
     from teralm.train.config import load_config
     from teralm.train.loop import holds_run, saved_config, train

@@ -281,7 +281,9 @@ def exchange_on_rank(rank: int, world: int, port: int, out: str) -> None:
     optimizer = DeMo([{"params": [q], "weight_decay": 0.0}], 0.01, 0.9, DCTTopK(8, 5), me)
     optimizer.step()
     save_file({"onebit": onebit, "demo": q.detach().clone()}, f"{out}-{rank}.safetensors")
+    dist.barrier()
     dist.destroy_process_group()
+    os._exit(0)  # as teralm train does under torchrun: no interpreter shutdown beside gloo
 
 
 def test_two_processes_agree_on_the_mean_of_their_decoded_messages(tmp_path):

@@ -59,8 +59,12 @@ def join_world(device_type: str) -> World:
     return world
 
 
-def leave_world(world: World) -> None:
+def leave_world(world: World, together: bool = True) -> None:
+    """End the process group: ``together``, once every process is here (one leaving while
+    another still works can abort it in gloo); else at once (this process failed)."""
     if world.size > 1 and dist.is_initialized():
+        if together:
+            dist.barrier()
         dist.destroy_process_group()
 
 

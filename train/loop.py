@@ -190,9 +190,12 @@ def train(
         if device.type == "cuda" and world.size > 1:
             device = torch.device("cuda", world.local_rank)
             torch.cuda.set_device(device)
-        return _train(ix, config, run, resume, progress and world.main, device, world)
-    finally:
-        leave_world(world)
+        result = _train(ix, config, run, resume, progress and world.main, device, world)
+    except BaseException:
+        leave_world(world, together=False)
+        raise
+    leave_world(world)
+    return result
 
 
 def _open_run_everywhere(run: Path, resume: bool, world: World) -> Path | None:
