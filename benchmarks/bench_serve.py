@@ -410,11 +410,11 @@ def load(
         "p50_ms": float(np.percentile(lat, 50)) if len(lat) else None,
         "p99_ms": float(np.percentile(lat, 99)) if len(lat) else None,
         "lookup_share": lookup / max(lookup + model, 1e-9),
-        "cached_share": spent_share(before, after),
+        "cached_share": prompt_cached_share(before, after),
     }
 
 
-def spent_share(before: dict[str, float], after: dict[str, float]) -> float:
+def prompt_cached_share(before: dict[str, float], after: dict[str, float]) -> float:
     """The share of the prompt tokens read between two /metrics readings whose keys and
     values came from the prefix cache."""
     read = after["teralm_prompt_tokens_total"] - before["teralm_prompt_tokens_total"]

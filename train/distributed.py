@@ -70,12 +70,11 @@ def leave_world(world: World, together: bool = True) -> None:
 
 @dataclass
 class Traffic:
-    """Bytes this rank sent and received: in the current step, and in all."""
+    """Bytes this rank sent, in the current step and in all. The ring algorithms counted here
+    receive as much as they send, so the same numbers stand for what it received."""
 
     sent: int = 0
-    received: int = 0
     step_sent: int = 0
-    step_received: int = 0
 
     def all_reduced(self, nbytes: int, world: int) -> None:
         self._add(2 * (world - 1) * nbytes // world)
@@ -84,13 +83,11 @@ class Traffic:
         self._add((world - 1) * nbytes)
 
     def new_step(self) -> None:
-        self.step_sent = self.step_received = 0
+        self.step_sent = 0
 
     def _add(self, nbytes: int) -> None:
         self.sent += nbytes
-        self.received += nbytes
         self.step_sent += nbytes
-        self.step_received += nbytes
 
 
 def all_gather(tensor: torch.Tensor, world: World, traffic: Traffic) -> list[torch.Tensor]:
@@ -171,10 +168,14 @@ class OneBit:
             corrected += self.residual
         n = corrected.numel()
         signs, scales = pack_signs(corrected, self.block)
-        self.residual = corrected - unpack_signs(signs, scales, n, self.block)
+        own = unpack_signs(signs, scales, n, self.block)
+        self.residual = corrected - own
         all_signs = all_gather(signs, self.world, self.traffic)
         all_scales = all_gather(scales, self.world, self.traffic)
-        decoded = sum(unpack_signs(s, c, n, self.block) for s, c in zip(all_signs, all_scales))
+        decoded = sum(
+            own if r == self.world.rank else unpack_signs(s, c, n, self.block)
+            for r, (s, c) in enumerate(zip(all_signs, all_scales))
+        )
         _set_grads(params, decoded / self.world.size)
 
 

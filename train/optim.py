@@ -56,12 +56,13 @@ class DeMo(torch.optim.Optimizer):
                 momentum = state["momentum"]
                 momentum.mul_(group["beta"]).add_(p.grad.float())
                 index, values = self.compression.encode(momentum)
-                momentum -= self.compression.decode(index, values, momentum.shape)
+                own = self.compression.decode(index, values, momentum.shape)
+                momentum -= own
                 indices = all_gather(index, self.world, self.traffic)
                 all_values = all_gather(values, self.world, self.traffic)
                 q = sum(
-                    self.compression.decode(i, v, momentum.shape)
-                    for i, v in zip(indices, all_values)
+                    own if r == self.world.rank else self.compression.decode(i, v, p.shape)
+                    for r, (i, v) in enumerate(zip(indices, all_values))
                 )
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.add_(torch.sign(q / self.world.size).to(p.dtype), alpha=-group["lr"])
