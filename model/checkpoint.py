@@ -73,8 +73,16 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, tensors: dict, rest: dic
     optimizer.load_state_dict({"state": state, "param_groups": rest["param_groups"]})
 
 
-def save(run: Path, step: int, model: torch.nn.Module, optimizer, state: dict) -> Path:
-    """Write checkpoint ``step`` of ``run`` and point ``latest.json`` at it."""
+def save(
+    run: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer,
+    state: dict,
+    extra: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write checkpoint ``step`` of ``run`` and point ``latest.json`` at it; ``extra`` tensors
+    (each training process's own state) are stored beside the optimizer's."""
     final = run / f"ckpt-{step:08d}"
     tmp = run / f".ckpt-{step:08d}.tmp{os.getpid()}"
     for partial in run.glob(".ckpt-*.tmp*"):  # this save's, or one a killed run left behind
@@ -84,6 +92,7 @@ def save(run: Path, step: int, model: torch.nn.Module, optimizer, state: dict) -
     save_file(weights, tmp / "model.safetensors")
     opt_tensors, opt_rest = optimizer_tensors(optimizer)
     opt_tensors["torch_rng"] = torch.get_rng_state()
+    opt_tensors.update({k: v.contiguous() for k, v in (extra or {}).items()})
     save_file(opt_tensors, tmp / "optimizer.safetensors")
     files = {
         name: fmt.sha256_file(tmp / name) for name in ("model.safetensors", "optimizer.safetensors")

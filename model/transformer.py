@@ -264,9 +264,11 @@ class Transformer(nn.Module):
         next_token: torch.Tensor | None = None,
         match_len: torch.Tensor | None = None,
         with_gate: bool = False,
+        infgram_total: torch.Tensor | None = None,
     ):
         """Logits [B, T, vocab]; with ``with_gate`` also the mixture gate's logits [B, T] (None
-        when the model has no ∞-gram mixture)."""
+        when the model has no ∞-gram mixture), from the hidden state alone or, given the
+        ∞-gram's ``infgram_total`` counts, whole (``gate_logit``)."""
         T = tokens.shape[1]
         if self.cfg.max_seq_len < T:
             raise ValueError(
@@ -277,6 +279,8 @@ class Transformer(nn.Module):
         for block in self.blocks:
             x = block(x, cos, sin)
         logits, gate = self._head(x)
+        if gate is not None and infgram_total is not None:
+            gate = self.gate_logit(gate, infgram_total)
         return (logits, gate) if with_gate else logits
 
     def decode(

@@ -35,6 +35,10 @@ def add_parsers(sub) -> None:
     t.add_argument("--demo-chunk", type=int, help="DeMo: chunk size of the DCT (64)")
     t.add_argument("--demo-topk", type=int, help="DeMo: components sent per chunk (32)")
     t.add_argument("--demo-beta", type=float, help="DeMo: momentum (0.999)")
+    t.add_argument("--powersgd-rank", type=int, help="PowerSGD: rank of its factors (4)")
+    t.add_argument(
+        "--powersgd-warmup", type=int, help="PowerSGD: steps of plain all-reduce first (10)"
+    )
     t.add_argument("--quiet", action="store_true")
 
     e = sub.add_parser("eval", help="held-out bpb / perplexity: model, ∞-gram, interpolation")
@@ -185,7 +189,7 @@ def _train_run(args: argparse.Namespace) -> int:
 # train settings that have a flag of their own
 TRAIN_FLAGS = (
     "max_steps", "max_minutes", "checkpoint_every", "seed", "batch_size", "comm", "demo_chunk",
-    "demo_topk", "demo_beta",
+    "demo_topk", "demo_beta", "powersgd_rank", "powersgd_warmup",
 )  # fmt: skip
 
 

@@ -10,7 +10,12 @@ import tomllib
 from teralm.model.config import ModelConfig
 
 SCHEDULES = ("cosine", "wsd")
-COMMS = ("allreduce", "onebit", "demo")  # gradient exchanges, see teralm.train.distributed
+COMMS = (
+    "allreduce",
+    "onebit",
+    "powersgd",
+    "demo",
+)  # gradient exchanges, see teralm.train.distributed
 # training settings added later, with the value that means "as runs trained before them"
 ADDED_SINCE = {"own_loss_weight": 0.0, "index_dropout": 0.0}
 
@@ -29,7 +34,8 @@ class TrainConfig:
     ``batch_size`` is the global batch: with ``torchrun``, each of the W processes takes
     ``batch_size / W`` fragments. ``comm``: how the processes agree each step (see
     teralm.train.distributed); ``demo_*``: DeMo's chunk size, components kept per chunk and
-    momentum.
+    momentum; ``powersgd_*``: PowerSGD's matrix rank and the steps of plain all-reduce before it
+    starts compressing.
     """
 
     batch_size: int = 16
@@ -57,6 +63,8 @@ class TrainConfig:
     demo_chunk: int = 64
     demo_topk: int = 32
     demo_beta: float = 0.999
+    powersgd_rank: int = 4
+    powersgd_warmup: int = 10
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -67,6 +75,8 @@ class TrainConfig:
             raise ValueError("demo_chunk and demo_topk must be at least 1")
         if not 0 <= self.demo_beta < 1:
             raise ValueError("demo_beta must be in [0, 1)")
+        if self.powersgd_rank < 1 or self.powersgd_warmup < 2:
+            raise ValueError("powersgd_rank must be at least 1 and powersgd_warmup at least 2")
         for name in (
             "batch_size",
             "seq_len",

@@ -5,27 +5,40 @@ NCCL on GPUs); started plainly, it is one process and nothing here communicates.
 every rank's backward, an exchange makes the ranks agree:
 
 - ``allreduce``: the gradients' mean over ranks (the reference);
-- ``onebit``: TScale's 1-bit compression with error feedback. Each rank adds its residual to its
-  gradient, sends the signs (one bit each) and the mean magnitude of every block of
-  ``ONEBIT_BLOCK`` values, and keeps what that message misses as the next residual. The ranks'
-  decoded messages are averaged.
+- ``onebit``: TScale's 1-bit compression with error feedback, as a compressed all-reduce. Each
+  rank adds its residual to its gradient and cuts it into one shard per rank; shard ``j`` goes to
+  rank ``j`` as signs (one bit each) and the mean magnitude of every block of ``ONEBIT_BLOCK``
+  values. Rank ``j`` averages the shards it received, compresses that mean the same way (with a
+  residual of its own) and sends it to everyone. What a message misses is kept and added back
+  the next step, so nothing is lost, only delayed.
+- ``powersgd``: PyTorch's PowerSGD communication hook on DistributedDataParallel, as it is.
 - ``demo``: DeMo (Peng, Quesnelle and Kingma, 2024), in teralm.train.optim.DeMo: the ranks
-  exchange only the top-k DCT components of each chunk of their momentum (``DCTTopK``).
+  exchange only the top-k DCT components of each chunk of their momentum.
 
 Traffic is counted as the usual ring algorithms move it: an all-reduce of ``n`` bytes sends and
-receives ``2 (W - 1) / W * n`` per rank, an all-gather of ``n`` bytes per rank ``(W - 1) * n``.
+receives ``2 (W - 1) / W * n`` per rank, an all-gather of ``n`` bytes per rank ``(W - 1) * n``,
+an all-to-all of ``n`` bytes per rank ``(W - 1) / W * n``.
+
+Each exchange keeps what is this rank's own (error-feedback residuals, DeMo's momentum) in
+``local_state()``, which checkpoints save for every rank and ``load_local_state`` restores.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import math
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+from torch.nn.parallel import DistributedDataParallel
 
-from teralm.train.config import COMMS
+from teralm.train.compression import SignMessage
+from teralm.train.config import COMMS, TrainConfig
 
 ONEBIT_BLOCK = 1024  # values sharing one scale in a 1-bit message
 
@@ -45,25 +58,29 @@ class World:
         return self.rank == 0
 
 
-def join_world(device_type: str) -> World:
+def join_world(device_type: str, group_alone: bool = False) -> World:
     """The world ``torchrun`` describes in the environment, with its process group started
-    (NCCL for CUDA, else gloo); one process when started without it."""
+    (NCCL for CUDA, else gloo); one process when started without it, in a group of its own
+    when ``group_alone`` (for DistributedDataParallel)."""
+    backend = "nccl" if device_type == "cuda" else "gloo"
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size == 1:
-        return World()
+        if group_alone and not dist.is_initialized():
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        return World(device="cuda:0" if device_type == "cuda" else "cpu")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = f"cuda:{local_rank}" if device_type == "cuda" else "cpu"
     world = World(int(os.environ["RANK"]), size, local_rank, device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        dist.init_process_group(backend)
     return world
 
 
 def leave_world(world: World, together: bool = True) -> None:
     """End the process group: ``together``, once every process is here (one leaving while
     another still works can abort it in gloo); else at once (this process failed)."""
-    if world.size > 1 and dist.is_initialized():
-        if together:
+    if dist.is_initialized():
+        if together and world.size > 1:
             dist.barrier()
         dist.destroy_process_group()
 
@@ -82,6 +99,9 @@ class Traffic:
     def all_gathered(self, nbytes: int, world: int) -> None:
         self._add((world - 1) * nbytes)
 
+    def all_to_all(self, nbytes: int, world: int) -> None:
+        self._add((world - 1) * nbytes // world)
+
     def new_step(self) -> None:
         self.step_sent = 0
 
@@ -90,15 +110,25 @@ class Traffic:
         self.step_sent += nbytes
 
 
-def all_gather(tensor: torch.Tensor, world: World, traffic: Traffic) -> list[torch.Tensor]:
-    """Every rank's ``tensor`` (of one shape on all ranks), in rank order."""
+def all_gather(message: torch.Tensor, world: World, traffic: Traffic) -> list[torch.Tensor]:
+    """Every rank's ``message`` (uint8, of one size on all ranks), in rank order."""
     if world.size == 1:
-        return [tensor]
-    raw = tensor.contiguous().view(torch.uint8)  # as bytes: gloo gathers no int16
-    parts = [torch.empty_like(raw) for _ in range(world.size)]
-    dist.all_gather(parts, raw)
-    traffic.all_gathered(raw.numel(), world.size)
-    return [part.view(tensor.dtype) for part in parts]
+        return [message]
+    parts = [torch.empty_like(message) for _ in range(world.size)]
+    dist.all_gather(parts, message)
+    traffic.all_gathered(message.numel(), world.size)
+    return parts
+
+
+def all_to_all(messages: torch.Tensor, world: World, traffic: Traffic) -> torch.Tensor:
+    """``messages`` [W, n] (uint8): row ``j`` goes to rank ``j``; row ``r`` of the result came
+    from rank ``r``."""
+    if world.size == 1:
+        return messages
+    out = torch.empty_like(messages)
+    dist.all_to_all_single(out, messages)
+    traffic.all_to_all(messages.numel(), world.size)
+    return out
 
 
 def _flat_grads(params: list[torch.Tensor]) -> torch.Tensor:
@@ -116,11 +146,35 @@ def _set_grads(params: list[torch.Tensor], flat: torch.Tensor) -> None:
         offset += p.numel()
 
 
-class AllReduce:
-    """The gradients' mean over the ranks, in one all-reduce of all of them."""
+class Exchange:
+    """How the ranks agree on a step; this base does nothing (one process, plain AdamW).
+
+    The loop trains ``wrap(model)``, runs each micro-batch inside ``accumulating(last)``,
+    calls ``exchange(params)`` after the last backward, and reads ``traffic``."""
 
     def __init__(self, world: World):
         self.world, self.traffic = world, Traffic()
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+    def accumulating(self, last: bool) -> contextlib.AbstractContextManager:
+        """Around a micro-batch's forward and backward (``last``: the step's final one)."""
+        return contextlib.nullcontext()
+
+    def exchange(self, params: list[torch.Tensor]) -> None:
+        """Make every rank's gradients of ``params`` the agreed ones."""
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """This rank's own state, of the same names and shapes on every rank."""
+        return {}
+
+    def load_local_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore what ``local_state`` returned (nothing to restore: ``{}``)."""
+
+
+class AllReduce(Exchange):
+    """The gradients' mean over the ranks, in one all-reduce of all of them."""
 
     def exchange(self, params: list[torch.Tensor]) -> None:
         if self.world.size == 1:
@@ -131,137 +185,214 @@ class AllReduce:
         _set_grads(params, flat / self.world.size)
 
 
-def pack_signs(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [n] as 1-bit signs (uint8, 8 a byte, ``x >= 0`` as 1) and the mean magnitude of each
-    block of ``block`` values (fp32; the last block may be shorter)."""
-    n = x.numel()
-    blocks = math.ceil(n / block)
-    padded = torch.zeros(blocks * block, dtype=torch.float32, device=x.device)
-    padded[:n] = x
-    sums = padded.abs().view(blocks, block).sum(1)
-    sizes = torch.full((blocks,), float(block), device=x.device)
-    sizes[-1] = n - (blocks - 1) * block
-    bits = (padded[: math.ceil(n / 8) * 8] >= 0).view(-1, 8).to(torch.uint8)
-    weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=x.device)
-    return (bits * weights).sum(1, dtype=torch.uint8), sums / sizes
-
-
-def unpack_signs(signs: torch.Tensor, scales: torch.Tensor, n: int, block: int) -> torch.Tensor:
-    """The values a 1-bit message stands for: each sign times its block's scale [n]."""
-    shifts = torch.arange(7, -1, -1, device=signs.device, dtype=torch.uint8)
-    bits = ((signs[:, None] >> shifts) & 1).reshape(-1)[:n]
-    magnitude = scales.repeat_interleave(block)[:n]
-    return torch.where(bits.bool(), magnitude, -magnitude)
-
-
-class OneBit:
-    """1-bit gradients with error feedback: what a rank's message misses is added to its next
-    gradient, so nothing is lost, only delayed."""
+class OneBit(Exchange):
+    """1-bit compressed all-reduce with error feedback on both sides: every rank keeps the
+    ``residual`` its own message missed, and, for the shard it averages, the
+    ``shard_residual`` that its message of the mean missed."""
 
     def __init__(self, world: World, block: int = ONEBIT_BLOCK):
-        self.world, self.block, self.traffic = world, block, Traffic()
+        super().__init__(world)
+        self.block = block
         self.residual: torch.Tensor | None = None
+        self.shard_residual: torch.Tensor | None = None
+
+    def _shards(self, n: int) -> tuple[int, list[int]]:
+        """The length of a shard (whole blocks) and how many real values each one holds."""
+        length = math.ceil(n / self.world.size / self.block) * self.block
+        return length, [min(max(n - j * length, 0), length) for j in range(self.world.size)]
 
     def exchange(self, params: list[torch.Tensor]) -> None:
         corrected = _flat_grads(params).float()
         if self.residual is not None:
             corrected += self.residual
-        n = corrected.numel()
-        signs, scales = pack_signs(corrected, self.block)
-        own = unpack_signs(signs, scales, n, self.block)
-        self.residual = corrected - own
-        all_signs = all_gather(signs, self.world, self.traffic)
-        all_scales = all_gather(scales, self.world, self.traffic)
-        decoded = sum(
-            own if r == self.world.rank else unpack_signs(s, c, n, self.block)
-            for r, (s, c) in enumerate(zip(all_signs, all_scales))
+        n, W, rank = corrected.numel(), self.world.size, self.world.rank
+        length, real = self._shards(n)
+        wire = SignMessage(length, self.block)
+        pieces = [corrected[j * length : j * length + real[j]] for j in range(W)]
+        outgoing = torch.stack([wire.encode(x) for x in pieces])
+        self.residual = corrected - torch.cat(
+            [wire.decode(m, k) for m, k in zip(outgoing, real)]
+        )  # fmt: skip
+        incoming = all_to_all(outgoing, self.world, self.traffic)
+        mean = sum(wire.decode(m, real[rank]) for m in incoming) / W
+        if self.shard_residual is None:  # a whole shard on every rank, zeros past the values
+            self.shard_residual = torch.zeros(length, device=mean.device)
+        mean += self.shard_residual[: real[rank]]
+        reply = wire.encode(mean)
+        self.shard_residual[: real[rank]] = mean - wire.decode(reply, real[rank])
+        replies = all_gather(reply, self.world, self.traffic)
+        _set_grads(params, torch.cat([wire.decode(m, k) for m, k in zip(replies, real)]))
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        if self.residual is None:
+            return {}
+        return {"residual": self.residual, "shard_residual": self.shard_residual}
+
+    def load_local_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        if tensors:
+            self.residual, self.shard_residual = tensors["residual"], tensors["shard_residual"]
+
+
+class PowerSGD(Exchange):
+    """PyTorch's PowerSGD hook (rank ``rank`` factors, after ``warmup`` steps of plain
+    all-reduce) on DistributedDataParallel, which exchanges during the last micro-batch's
+    backward. Its bytes are read off the hook's own compression counts.
+
+    The hook keeps its error feedback and warm-start factors per bucket, laid out in the
+    bucket's order of parameters, which DDP changes after the first step of every process.
+    Here they are re-laid per parameter whenever that order changes (and so saved), so a
+    resumed run goes on exactly as an uninterrupted one."""
+
+    def __init__(self, world: World, rank: int, warmup: int):
+        super().__init__(world)
+        self.state = powersgd.PowerSGDState(
+            process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=warmup
         )
-        _set_grads(params, decoded / self.world.size)
+        self.ddp: DistributedDataParallel | None = None
+        self.numbers: dict[int, int] = {}  # a parameter's storage address -> its number
+        self.layouts: dict[int, list[tuple[int, torch.Size]]] = {}  # bucket -> its parameters
+        self.restored: dict[str, torch.Tensor] = {}  # per-parameter state not yet laid out
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        device = [self.world.local_rank] if self.world.device.startswith("cuda") else None
+        # the buffers (rope tables) are the same on every rank: never send them
+        newer = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+        buffers = {"forward_sync_buffers" if newer else "broadcast_buffers": False}
+        # one bucket: gloo may run the hook's chained collectives of two buckets in another
+        # order on each rank
+        whole = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 + 1
+        self.ddp = DistributedDataParallel(
+            model, device_ids=device, bucket_cap_mb=whole, **buffers
+        )  # fmt: skip
+        self.ddp.register_comm_hook(self.state, self._hook)
+        self.numbers = {p.data_ptr(): i for i, p in enumerate(model.parameters())}
+        return self.ddp
+
+    def _hook(self, state: powersgd.PowerSGDState, bucket):  # DDP checks any annotation
+        index = bucket.index()
+        layout = [(self.numbers[p.data_ptr()], p.shape) for p in bucket.parameters()]
+        if self.layouts.get(index) != layout:
+            by_parameter = {**self.restored, **self._by_parameter()}
+            self.restored = {}
+            self.layouts[index] = layout
+            self._lay_out(index, by_parameter)
+        before = state.total_numel_after_compression
+        plain = state.iter < state.start_powerSGD_iter
+        future = powersgd.powerSGD_hook(state, bucket)
+        numel = bucket.buffer().numel() if plain else state.total_numel_after_compression - before
+        self.traffic.all_reduced(numel * bucket.buffer().element_size(), self.world.size)
+        return future
+
+    def _tables(self) -> dict[str, dict[int, torch.Tensor]]:
+        s = self.state
+        return {"error": s.error_dict, "p": s.p_memory_dict, "q": s.q_memory_dict}
+
+    def _pieces(self, bucket: int) -> dict[str, list[tuple[str, int]]]:
+        """Per table, the per-parameter pieces (name, length) of a bucket's flat tensor: every
+        gradient's error, and the factors of those the hook compresses."""
+        rank, rate = self.state.matrix_approximation_rank, self.state.min_compression_rate
+        pieces: dict[str, list[tuple[str, int]]] = {"error": [], "p": [], "q": []}
+        for number, shape in self.layouts[bucket]:
+            n, m = shape[0], math.prod(shape[1:])
+            pieces["error"].append((f"error.{number}", n * m))
+            r = min(n, m, rank)
+            if powersgd._should_compress(n, m, r, rate)[0]:
+                pieces["p"].append((f"p.{number}", n * r))
+                pieces["q"].append((f"q.{number}", m * r))
+        return pieces
+
+    def _by_parameter(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for bucket in self.layouts:
+            for table, pieces in self._pieces(bucket).items():
+                flat = self._tables()[table].get(bucket)
+                if flat is not None and pieces:
+                    parts = flat.reshape(-1).split([size for _, size in pieces])
+                    out.update({name: part for (name, _), part in zip(pieces, parts)})
+        return out
+
+    def _lay_out(self, bucket: int, by_parameter: dict[str, torch.Tensor]) -> None:
+        device = torch.device(self.world.device)
+        for table, pieces in self._pieces(bucket).items():
+            if pieces and all(name in by_parameter for name, _ in pieces):
+                parts = [by_parameter[name].reshape(-1).to(device) for name, _ in pieces]
+                self._tables()[table][bucket] = torch.cat(parts)
+            else:
+                self._tables()[table].pop(bucket, None)
+
+    def accumulating(self, last: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if last else self.ddp.no_sync()
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        s = self.state
+        _, keys, position, has_gauss, gauss = s.rng.get_state()
+        return {
+            "iter": torch.tensor([s.iter, position, has_gauss], dtype=torch.int64),
+            "rng": torch.from_numpy(keys.astype(np.int64)),
+            "gauss": torch.tensor([gauss], dtype=torch.float64),
+            **self.restored,
+            **self._by_parameter(),
+        }
+
+    def load_local_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        if not tensors:
+            return
+        s = self.state
+        s.iter, position, has_gauss = (int(v) for v in tensors["iter"])
+        keys = tensors["rng"].numpy().astype(np.uint32)
+        s.rng.set_state(("MT19937", keys, position, has_gauss, float(tensors["gauss"][0])))
+        names = ("iter", "rng", "gauss")
+        self.restored = {k: v for k, v in tensors.items() if k not in names}
+        self.layouts = {}
+        for table in self._tables().values():
+            table.clear()
 
 
-def make_exchange(comm: str, world: World) -> AllReduce | OneBit | None:
-    """The gradient exchange for ``comm`` (None for ``demo``: its optimizer communicates)."""
-    if comm not in COMMS:
-        raise ValueError(f"unknown comm {comm!r}; choose from {', '.join(COMMS)}")
-    if comm == "allreduce":
-        return AllReduce(world)
-    if comm == "onebit":
+class Decoupled(Exchange):
+    """DeMo: the optimizer exchanges momentum components itself (teralm.train.optim.DeMo);
+    its momentum is this rank's own."""
+
+    def __init__(self, world: World, optimizer: torch.optim.Optimizer):
+        super().__init__(world)
+        self.optimizer, self.traffic = optimizer, optimizer.traffic
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        return self.optimizer.local_state()
+
+    def load_local_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.optimizer.load_local_state(tensors)
+
+
+def make_exchange(cfg: TrainConfig, world: World, optimizer: torch.optim.Optimizer) -> Exchange:
+    """The gradient exchange for ``cfg.comm``."""
+    if cfg.comm not in COMMS:
+        raise ValueError(f"unknown comm {cfg.comm!r}; choose from {', '.join(COMMS)}")
+    if cfg.comm == "onebit":
         return OneBit(world)
-    return None
+    if cfg.comm == "powersgd":
+        return PowerSGD(world, cfg.powersgd_rank, cfg.powersgd_warmup)
+    if cfg.comm == "demo":
+        return Decoupled(world, optimizer)
+    return AllReduce(world)
 
 
-def dct_matrix(n: int, dtype=torch.float64) -> torch.Tensor:
-    """The orthonormal DCT-II [n, n]: ``dct_matrix(n) @ x`` is ``scipy.fft.dct(x, norm='ortho')``."""
-    k = torch.arange(n, dtype=torch.float64)[:, None]
-    i = torch.arange(n, dtype=torch.float64)[None, :]
-    c = torch.cos(math.pi * (2 * i + 1) * k / (2 * n)) * math.sqrt(2 / n)
-    c[0] /= math.sqrt(2)
-    return c.to(dtype)
+def gather_local_states(exchange: Exchange, world: World) -> dict[str, torch.Tensor]:
+    """Every rank's ``local_state`` as ``rank{r}/{name}`` tensors, on rank 0 (``{}`` on the
+    others); a collective that every rank joins."""
+    local = exchange.local_state()
+    if world.size == 1:
+        return {f"rank0/{name}": t.detach().cpu().clone() for name, t in local.items()}
+    out = {}
+    for name in sorted(local):
+        t = local[name].detach().contiguous().to(world.device)
+        parts = [torch.empty_like(t) for _ in range(world.size)] if world.main else None
+        dist.gather(t, parts, dst=0)
+        if world.main:
+            out.update({f"rank{r}/{name}": part.cpu() for r, part in enumerate(parts)})
+    return out
 
 
-class DCTTopK:
-    """DeMo's compression of a tensor: cut into chunks of ``chunk`` (``chunk`` × ``chunk`` tiles
-    for matrices, zero-padded at the edges), each chunk through a DCT-II, and its ``k`` largest
-    components kept as (index in the chunk, value)."""
-
-    def __init__(self, chunk: int, k: int):
-        if chunk < 1 or k < 1:
-            raise ValueError("the DCT chunk size and top-k must be at least 1")
-        self.chunk, self.k = chunk, k
-        self._bases: dict[tuple, torch.Tensor] = {}
-
-    def _basis(self, device, dtype) -> torch.Tensor:
-        key = (device, dtype)
-        if key not in self._bases:
-            self._bases[key] = dct_matrix(self.chunk).to(device=device, dtype=dtype)
-        return self._bases[key]
-
-    def _tiles(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` as zero-padded chunks: [tiles, c] (vectors) or [tiles, c, c] (matrices)."""
-        c = self.chunk
-        m = x.reshape(x.shape[0], -1) if x.dim() > 1 else x.reshape(1, -1)
-        rows = math.ceil(m.shape[0] / c) * c if x.dim() > 1 else 1
-        cols = math.ceil(m.shape[1] / c) * c
-        padded = torch.zeros(rows, cols, dtype=x.dtype, device=x.device)
-        padded[: m.shape[0], : m.shape[1]] = m
-        if x.dim() == 1:
-            return padded.view(-1, c)
-        return padded.view(rows // c, c, cols // c, c).permute(0, 2, 1, 3).reshape(-1, c, c)
-
-    def _untile(self, tiles: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        c = self.chunk
-        if len(shape) == 1:
-            return tiles.reshape(-1)[: shape[0]]
-        rows_in, cols_in = shape[0], math.prod(shape[1:])
-        rows, cols = math.ceil(rows_in / c) * c, math.ceil(cols_in / c) * c
-        m = tiles.view(rows // c, cols // c, c, c).permute(0, 2, 1, 3).reshape(rows, cols)
-        return m[:rows_in, :cols_in].reshape(shape)
-
-    def transform(self, x: torch.Tensor) -> torch.Tensor:
-        """The DCT of every chunk, flattened: [tiles, chunk elements]."""
-        tiles, basis = self._tiles(x), self._basis(x.device, x.dtype)
-        if x.dim() == 1:
-            return tiles @ basis.T
-        return (basis @ tiles @ basis.T).flatten(1)
-
-    def inverse(self, coefficients: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        basis = self._basis(coefficients.device, coefficients.dtype)
-        if len(shape) == 1:
-            return self._untile(coefficients @ basis, shape)
-        c = self.chunk
-        tiles = basis.T @ coefficients.view(-1, c, c) @ basis
-        return self._untile(tiles, shape)
-
-    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``k`` largest DCT components of each chunk: indices (int16) and values."""
-        coefficients = self.transform(x)
-        k = min(self.k, coefficients.shape[1])
-        index = coefficients.abs().topk(k, dim=1).indices
-        return index.to(torch.int16), coefficients.gather(1, index)
-
-    def decode(self, index: torch.Tensor, values: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        """The tensor of ``shape`` whose chunks hold only these components."""
-        width = self.chunk if len(shape) == 1 else self.chunk * self.chunk
-        coefficients = torch.zeros(index.shape[0], width, dtype=values.dtype, device=values.device)
-        coefficients.scatter_(1, index.long(), values)
-        return self.inverse(coefficients, shape)
+def local_state_of(tensors: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    """This rank's part of what ``gather_local_states`` saved."""
+    prefix = f"rank{rank}/"
+    return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}

@@ -22,7 +22,14 @@ from teralm.model import Transformer, checkpoint
 from teralm.model.transformer import index_lm_loss
 from teralm.train.config import RunConfig, TrainConfig
 from teralm.train.data import FragmentSampler, prefetched
-from teralm.train.distributed import World, join_world, leave_world, make_exchange
+from teralm.train.distributed import (
+    World,
+    gather_local_states,
+    join_world,
+    leave_world,
+    local_state_of,
+    make_exchange,
+)
 from teralm.train.optim import make_optimizer
 
 METRICS = "metrics.jsonl"
@@ -185,7 +192,7 @@ def train(
     """Train (or continue) the run in folder ``run``: on the processes ``torchrun`` started
     (data-parallel, see teralm.train.distributed), or in this one."""
     device = device or default_device()
-    world = join_world(device.type)
+    world = join_world(device.type, group_alone=config.train.comm == "powersgd")
     try:
         if device.type == "cuda" and world.size > 1:
             device = torch.device("cuda", world.local_rank)
@@ -263,8 +270,7 @@ def _train(
     torch.manual_seed(cfg.seed)  # the same initial weights on every process
     model = Transformer(config.model).to(device)
     optimizer = make_optimizer(model, cfg, world)
-    exchange = make_exchange(cfg.comm, world)
-    traffic = exchange.traffic if exchange is not None else optimizer.traffic
+    exchange = make_exchange(cfg, world, optimizer)
     start, tokens_done, wall_before = 0, 0, 0.0
     if folder is not None:
         weights, opt_tensors, state = checkpoint.load(folder)
@@ -272,11 +278,14 @@ def _train(
         _check_world(cfg, world, state)
         model.load_state_dict(weights)
         torch.set_rng_state(opt_tensors.pop("torch_rng"))
+        ranks = {k: opt_tensors.pop(k) for k in list(opt_tensors) if k.startswith("rank")}
         checkpoint.restore_optimizer(optimizer, opt_tensors, state["optimizer"])
+        exchange.load_local_state(local_state_of(ranks, world.rank))
         start, tokens_done, wall_before = state["step"], state["tokens"], state["wall_s"]
     if world.main:
         _truncate_metrics(run / METRICS, start)
-    forward = torch.compile(model) if cfg.compile else model
+    forward = exchange.wrap(model)
+    forward = torch.compile(forward) if cfg.compile else forward
     sampler = FragmentSampler(
         ix,
         cfg.seq_len,
@@ -303,6 +312,7 @@ def _train(
     def save(step: int) -> None:
         nonlocal saved_step
         saved_step = step
+        local_states = gather_local_states(exchange, world)  # every rank takes part
         if not world.main:
             return
         state = {
@@ -312,7 +322,7 @@ def _train(
             "wall_s": wall_before + time.perf_counter() - t0,
             "world_size": world.size,
         }
-        checkpoint.save(run, step, model, optimizer, state)
+        checkpoint.save(run, step, model, optimizer, state, local_states)
 
     params = [p for p in model.parameters() if p.requires_grad]
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
@@ -335,24 +345,23 @@ def _train(
             lr = learning_rate(cfg, step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            traffic.new_step()
+            exchange.traffic.new_step()
             micro_losses = []  # read back only when logged: no device sync per step
-            for _ in range(cfg.grad_accum):
+            for micro in range(cfg.grad_accum):
                 batch = next(batches).to(device)
-                with autocast(device, config.model.precision):
-                    logits, gate = forward(
-                        batch.tokens, batch.next_token, batch.match_len, with_gate=True
+                with exchange.accumulating(last=micro == cfg.grad_accum - 1):
+                    with autocast(device, config.model.precision):
+                        logits, gate = forward(
+                            batch.tokens, batch.next_token, batch.match_len, with_gate=True,
+                            infgram_total=batch.infgram_total,
+                        )  # fmt: skip
+                    mixed, own = index_lm_loss(
+                        logits, gate, batch.targets, batch.infgram_total, batch.infgram_hits
                     )
-                if gate is not None:
-                    gate = model.gate_logit(gate, batch.infgram_total)
-                mixed, own = index_lm_loss(
-                    logits, gate, batch.targets, batch.infgram_total, batch.infgram_hits
-                )
-                loss = mixed + cfg.own_loss_weight * own if gate is not None else mixed
-                (loss / cfg.grad_accum).backward()
+                    loss = mixed + cfg.own_loss_weight * own if gate is not None else mixed
+                    (loss / cfg.grad_accum).backward()
                 micro_losses.append(mixed.detach())
-            if exchange is not None:
-                exchange.exchange(params)
+            exchange.exchange(params)
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -369,8 +378,8 @@ def _train(
                     "tokens": tokens_done,
                     "tok_per_s": rate,
                     "elapsed_s": wall_before + now - t0,
-                    "sent_bytes": traffic.step_sent,
-                    "received_bytes": traffic.step_sent,  # a ring receives what it sends
+                    "sent_bytes": exchange.traffic.step_sent,
+                    "received_bytes": exchange.traffic.step_sent,  # a ring receives what it sends
                 }
                 if world.main:
                     metrics.write(json.dumps(record) + "\n")
@@ -388,6 +397,6 @@ def _train(
         save(step)
     wall = wall_before + time.perf_counter() - t0
     return TrainResult(
-        step, loss_value, tokens_done, wall, stopped, model.num_parameters(), traffic.sent,
+        step, loss_value, tokens_done, wall, stopped, model.num_parameters(), exchange.traffic.sent,
         world.main,
     )  # fmt: skip

@@ -1,19 +1,22 @@
-"""Optimizers and their state: AdamW (one process or all-reduced gradients) and DeMo.
+"""Optimizers and their state: AdamW (one process or exchanged gradients) and DeMo.
 
 DeMo (decoupled momentum, Peng, Quesnelle and Kingma, 2024) keeps each rank's momentum local
 and sends only what changes fastest in it: every step a rank adds its gradient to its momentum
 (``m = beta * m + g``), takes the top-k DCT components of each chunk of ``m``
-(teralm.train.distributed.DCTTopK), subtracts them from ``m`` (what was sent is no longer owed),
-and all-gathers them. Every rank decodes the mean of all ranks' components and steps by its sign
-(``p -= lr * (sign(q) + weight_decay * p)``), so the ranks stay identical.
+(teralm.train.compression.DCTTopK), rounds their values to e4m3, subtracts what it sends from
+``m`` (it is no longer owed), and all-gathers one message for all parameters
+(``DCTMessage``). Every rank sums the components of all ranks, decodes their mean and steps by
+its sign (``p -= lr * (sign(q) + weight_decay * p)``), so the ranks stay identical.
 """
 
 from __future__ import annotations
 
 import torch
 
+from teralm.kernels.fp8 import E4M3
+from teralm.train.compression import DCTMessage, DCTTopK
 from teralm.train.config import TrainConfig
-from teralm.train.distributed import DCTTopK, Traffic, World, all_gather
+from teralm.train.distributed import Traffic, World, all_gather
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -43,26 +46,49 @@ class DeMo(torch.optim.Optimizer):
             raise ValueError("the DeMo momentum beta must be in [0, 1)")
         super().__init__(params, {"lr": lr, "beta": beta, "weight_decay": 0.0})
         self.compression, self.world, self.traffic = compression, world, Traffic()
+        self.message: DCTMessage | None = None
+
+    def _parameters(self) -> list[tuple[torch.Tensor, dict]]:
+        return [(p, group) for group in self.param_groups for p in group["params"]]
 
     @torch.no_grad()
     def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum" not in state:
-                    state["momentum"] = torch.zeros_like(p, dtype=torch.float32)
-                momentum = state["momentum"]
-                momentum.mul_(group["beta"]).add_(p.grad.float())
-                index, values = self.compression.encode(momentum)
-                own = self.compression.decode(index, values, momentum.shape)
-                momentum -= own
-                indices = all_gather(index, self.world, self.traffic)
-                all_values = all_gather(values, self.world, self.traffic)
-                q = sum(
-                    own if r == self.world.rank else self.compression.decode(i, v, p.shape)
-                    for r, (i, v) in enumerate(zip(indices, all_values))
-                )
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(torch.sign(q / self.world.size).to(p.dtype), alpha=-group["lr"])
+        params = self._parameters()
+        if self.message is None:
+            self.message = DCTMessage(self.compression, [p.shape for p, _ in params])
+        parts, totals = [], []
+        for p, group in params:
+            state = self.state[p]
+            if "momentum" not in state:
+                state["momentum"] = torch.zeros_like(p, dtype=torch.float32)
+            momentum = state["momentum"].mul_(group["beta"])
+            if p.grad is not None:
+                momentum.add_(p.grad.float())
+            index, values = self.compression.encode(momentum)
+            q, scale = DCTMessage.quantize(values)
+            sent = self.compression.scatter(index, q.view(E4M3).float() / scale, p.shape)
+            momentum -= self.compression.inverse(sent, p.shape)
+            parts.append((index, q, scale))
+            totals.append(sent)
+        messages = all_gather(self.message.encode(parts), self.world, self.traffic)
+        for rank, message in enumerate(messages):
+            if rank != self.world.rank:
+                totals = [t + c for t, c in zip(totals, self.message.coefficients(message))]
+        for (p, group), total in zip(params, totals):
+            q = self.compression.inverse(total, p.shape)  # the ranks' sum: its sign is the mean's
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.add_(torch.sign(q).to(p.dtype), alpha=-group["lr"])
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """This rank's momentum (each rank's differs: it keeps what the rank did not send)."""
+        params = self._parameters()
+        return {
+            f"momentum.{i}": self.state[p]["momentum"]
+            for i, (p, _) in enumerate(params)
+            if "momentum" in self.state[p]
+        }
+
+    def load_local_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        for i, (p, _) in enumerate(self._parameters()):
+            if f"momentum.{i}" in tensors:
+                self.state[p]["momentum"] = tensors[f"momentum.{i}"].to(p.device)
