@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from teralm.model.config import AUTO, PRECISIONS
-from teralm.train.config import COMMS, PRESETS
+from teralm.train.config import COMMS, OPTIMIZERS, PRESETS
 
 
 def add_parsers(sub) -> None:
@@ -35,6 +35,13 @@ def add_parsers(sub) -> None:
     t.add_argument("--demo-chunk", type=int, help="DeMo: chunk size of the DCT (64)")
     t.add_argument("--demo-topk", type=int, help="DeMo: components sent per chunk (32)")
     t.add_argument("--demo-beta", type=float, help="DeMo: momentum (0.999)")
+    t.add_argument("--onebit-warmup", type=int, help="1-bit: steps of plain all-reduce first (0)")
+    t.add_argument("--optimizer", choices=OPTIMIZERS, help="adamw, or GaLore's (adamw)")
+    t.add_argument(
+        "--galore-rank", type=float, help="GaLore: rank, or a fraction of the width (0.25)"
+    )
+    t.add_argument("--galore-gap", type=int, help="GaLore: steps between projections (200)")
+    t.add_argument("--galore-scale", type=float, help="GaLore: scale of the update (0.25)")
     t.add_argument("--powersgd-rank", type=int, help="PowerSGD: rank of its factors (4)")
     t.add_argument(
         "--powersgd-warmup", type=int, help="PowerSGD: steps of plain all-reduce first (10)"
@@ -189,7 +196,8 @@ def _train_run(args: argparse.Namespace) -> int:
 # train settings that have a flag of their own
 TRAIN_FLAGS = (
     "max_steps", "max_minutes", "checkpoint_every", "seed", "batch_size", "comm", "demo_chunk",
-    "demo_topk", "demo_beta", "powersgd_rank", "powersgd_warmup",
+    "demo_topk", "demo_beta", "onebit_warmup", "powersgd_rank", "powersgd_warmup", "optimizer",
+    "galore_rank", "galore_gap", "galore_scale",
 )  # fmt: skip
 
 

@@ -10,12 +10,8 @@ import tomllib
 from teralm.model.config import ModelConfig
 
 SCHEDULES = ("cosine", "wsd")
-COMMS = (
-    "allreduce",
-    "onebit",
-    "powersgd",
-    "demo",
-)  # gradient exchanges, see teralm.train.distributed
+COMMS = ("allreduce", "onebit", "powersgd", "demo")  # gradient exchanges: train.distributed
+OPTIMIZERS = ("adamw", "galore", "galore8bit")  # see teralm.train.optim
 # training settings added later, with the value that means "as runs trained before them"
 ADDED_SINCE = {"own_loss_weight": 0.0, "index_dropout": 0.0}
 
@@ -34,7 +30,7 @@ class TrainConfig:
     ``batch_size`` is the global batch: with ``torchrun``, each of the W processes takes
     ``batch_size / W`` fragments. ``comm``: how the processes agree each step (see
     teralm.train.distributed); ``demo_*``: DeMo's chunk size, components kept per chunk and
-    momentum; ``powersgd_*``: PowerSGD's matrix rank and the steps of plain all-reduce before it
+    momentum; ``onebit_warmup``: steps of plain all-reduce before 1-bit messages; ``powersgd_*``: PowerSGD's matrix rank and the steps of plain all-reduce before it
     starts compressing.
     """
 
@@ -63,8 +59,13 @@ class TrainConfig:
     demo_chunk: int = 64
     demo_topk: int = 32
     demo_beta: float = 0.999
+    onebit_warmup: int = 0
     powersgd_rank: int = 4
     powersgd_warmup: int = 10
+    optimizer: str = "adamw"
+    galore_rank: float = 0.25
+    galore_gap: int = 200
+    galore_scale: float = 0.25
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -75,8 +76,19 @@ class TrainConfig:
             raise ValueError("demo_chunk and demo_topk must be at least 1")
         if not 0 <= self.demo_beta < 1:
             raise ValueError("demo_beta must be in [0, 1)")
+        if self.onebit_warmup < 0:
+            raise ValueError("onebit_warmup must be 0 or more")
         if self.powersgd_rank < 1 or self.powersgd_warmup < 2:
             raise ValueError("powersgd_rank must be at least 1 and powersgd_warmup at least 2")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}")
+        if self.optimizer != "adamw" and self.comm == "demo":
+            raise ValueError(
+                f"comm demo is an optimizer of its own; optimizer {self.optimizer} needs another "
+                "comm (allreduce, onebit or powersgd)"
+            )
+        if self.galore_rank <= 0 or self.galore_gap < 1:
+            raise ValueError("galore_rank must be above 0 and galore_gap at least 1")
         for name in (
             "batch_size",
             "seq_len",

@@ -190,9 +190,11 @@ class OneBit(Exchange):
     ``residual`` its own message missed, and, for the shard it averages, the
     ``shard_residual`` that its message of the mean missed."""
 
-    def __init__(self, world: World, block: int = ONEBIT_BLOCK):
+    def __init__(self, world: World, block: int = ONEBIT_BLOCK, warmup: int = 0):
         super().__init__(world)
-        self.block = block
+        self.block, self.warmup, self.steps = block, warmup, 0
+        self.plain = AllReduce(world)
+        self.plain.traffic = self.traffic
         self.residual: torch.Tensor | None = None
         self.shard_residual: torch.Tensor | None = None
 
@@ -202,6 +204,9 @@ class OneBit(Exchange):
         return length, [min(max(n - j * length, 0), length) for j in range(self.world.size)]
 
     def exchange(self, params: list[torch.Tensor]) -> None:
+        self.steps += 1
+        if self.steps <= self.warmup:
+            return self.plain.exchange(params)
         corrected = _flat_grads(params).float()
         if self.residual is not None:
             corrected += self.residual
@@ -224,12 +229,14 @@ class OneBit(Exchange):
         _set_grads(params, torch.cat([wire.decode(m, k) for m, k in zip(replies, real)]))
 
     def local_state(self) -> dict[str, torch.Tensor]:
+        steps = {"steps": torch.tensor([self.steps])}
         if self.residual is None:
-            return {}
-        return {"residual": self.residual, "shard_residual": self.shard_residual}
+            return steps
+        return {**steps, "residual": self.residual, "shard_residual": self.shard_residual}
 
     def load_local_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        if tensors:
+        self.steps = int(tensors.get("steps", torch.tensor([0]))[0])
+        if "residual" in tensors:
             self.residual, self.shard_residual = tensors["residual"], tensors["shard_residual"]
 
 
@@ -368,7 +375,7 @@ def make_exchange(cfg: TrainConfig, world: World, optimizer: torch.optim.Optimiz
     if cfg.comm not in COMMS:
         raise ValueError(f"unknown comm {cfg.comm!r}; choose from {', '.join(COMMS)}")
     if cfg.comm == "onebit":
-        return OneBit(world)
+        return OneBit(world, warmup=cfg.onebit_warmup)
     if cfg.comm == "powersgd":
         return PowerSGD(world, cfg.powersgd_rank, cfg.powersgd_warmup)
     if cfg.comm == "demo":

@@ -1,4 +1,5 @@
-"""Optimizers and their state: AdamW (one process or exchanged gradients) and DeMo.
+"""Optimizers and their state: AdamW (one process or exchanged gradients), GaLore (AdamW in a
+low-rank projection of each matrix's gradient, teralm.train.galore) and DeMo.
 
 DeMo (decoupled momentum, Peng, Quesnelle and Kingma, 2024) keeps each rank's momentum local
 and sends only what changes fastest in it: every step a rank adds its gradient to its momentum
@@ -17,6 +18,7 @@ from teralm.kernels.fp8 import E4M3
 from teralm.train.compression import DCTMessage, DCTTopK
 from teralm.train.config import TrainConfig
 from teralm.train.distributed import Traffic, World, all_gather
+from teralm.train.galore import GaLoreAdamW
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -26,15 +28,41 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 
+def galore_rank(rank: float, width: int) -> int:
+    """GaLore's rank: ``rank`` itself, or that fraction of the model's ``width`` when below 1."""
+    return max(1, round(rank * width)) if rank < 1 else int(rank)
+
+
+def galore_groups(model: torch.nn.Module, cfg: TrainConfig) -> list[dict]:
+    """``parameter_groups`` with the matrices of the transformer blocks apart, projected at
+    the configured rank; embeddings, the head, norms and biases stay plain AdamW."""
+    decay, rest = parameter_groups(model, cfg.weight_decay)
+    inside = {id(p) for name, p in model.named_parameters() if name.startswith("blocks.")}
+    projected = [p for p in decay["params"] if p.ndim == 2 and id(p) in inside]
+    plain = [p for p in decay["params"] if id(p) not in {id(q) for q in projected}]
+    rank = galore_rank(cfg.galore_rank, model.cfg.d_model)
+    galore = {"rank": rank, "gap": cfg.galore_gap, "scale": cfg.galore_scale}
+    return [
+        {"params": projected, "weight_decay": cfg.weight_decay, **galore},
+        {"params": plain, "weight_decay": cfg.weight_decay},
+        rest,
+    ]
+
+
 def make_optimizer(
     model: torch.nn.Module, cfg: TrainConfig, world: World | None = None
 ) -> torch.optim.Optimizer:
-    """DeMo for ``comm = "demo"``, else AdamW, fused (one kernel for all parameters, on the CPU
-    too)."""
-    groups = parameter_groups(model, cfg.weight_decay)
+    """DeMo for ``comm = "demo"``; GaLore for ``optimizer = "galore"`` or ``"galore8bit"``; else
+    AdamW, fused (one kernel for all parameters, on the CPU too)."""
     if cfg.comm == "demo":
         compression = DCTTopK(cfg.demo_chunk, cfg.demo_topk)
+        groups = parameter_groups(model, cfg.weight_decay)
         return DeMo(groups, cfg.lr, cfg.demo_beta, compression, world or World())
+    if cfg.optimizer != "adamw":
+        eight_bit = cfg.optimizer == "galore8bit"
+        betas = (cfg.beta1, cfg.beta2)
+        return GaLoreAdamW(galore_groups(model, cfg), cfg.lr, betas, eight_bit=eight_bit)
+    groups = parameter_groups(model, cfg.weight_decay)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
 
 
