@@ -1,13 +1,15 @@
 """Data-parallel training: the four gradient exchanges against one process, in one run.
 
     pip install -e .
-    python benchmarks/bench_distributed.py [--steps 300] [--processes 4] [--link-steps 8]
+    python benchmarks/bench_distributed.py [--steps 300] [--processes 4] [--lr 1e-3]
+        [--demo-topk 16] [--link-steps 8]
 
 Part 1 trains the ``tiny`` preset on pydocs with the index (equal steps, global batch and
 tokens) as one process and as ``--processes`` processes under torchrun on 127.0.0.1 with each
-``--comm``, then scores every run on the held-out documents (``teralm eval``). It reports
-held-out bits per byte, the bytes each rank sent per step (as logged in ``metrics.jsonl``) and
-wall time.
+``--comm`` (``onebit`` and ``demo`` at ``--lr``, ``allreduce`` at both that and the preset's,
+DeMo once more with ``--demo-topk``), then scores every run on the held-out documents (``teralm
+eval``). It reports held-out bits per byte, the bytes each rank sent per step (as logged in
+``metrics.jsonl``) and wall time.
 
 Part 2 (root only; ``--no-link`` skips it) runs 2 processes in two network namespaces joined by a
 veth pair shaped by ``tc`` to a consumer link: 10 Mbit/s up from the "home" side, 100 Mbit/s
@@ -59,14 +61,27 @@ def per_step_bytes(run: Path) -> tuple[float, int]:
     return sum(sent) / len(sent), sent[-1]
 
 
-def part_one(index: Path, steps: int, processes: int, max_tokens: int, topk: int) -> list[dict]:
-    runs = [("1 process", "allreduce", 1, [])]
-    runs += [(f"{processes} × {m}", m, processes, []) for m in METHODS]
+def part_one(index: Path, steps: int, processes: int, max_tokens: int, lr: float, topk: int):
+    """One process and ``processes`` with each exchange: held-out bpb, bytes, wall time.
+
+    ``onebit`` and ``demo`` train at ``lr``: DeMo's sign steps move every weight by the whole
+    rate, and 1-bit gradients give AdamW sign-like steps too. ``allreduce`` runs at the preset's
+    rate and at ``lr``, so that neither compared run is at a rate that suits only it."""
+    lower = ["--lr", lr]
+    runs = [
+        ("1 process", "allreduce", 1, []),
+        (f"{processes} × allreduce", "allreduce", processes, []),
+    ]
+    runs.append((f"{processes} × allreduce lr={lr:g}", "allreduce", processes, lower))
+    runs.append((f"{processes} × onebit lr={lr:g}", "onebit", processes, lower))
+    runs.append((f"{processes} × powersgd", "powersgd", processes, []))
+    runs.append((f"{processes} × demo lr={lr:g}", "demo", processes, lower))
     if topk:
-        runs.append((f"{processes} × demo k={topk}", "demo", processes, ["--demo-topk", topk]))
+        extra = [*lower, "--demo-topk", topk]
+        runs.append((f"{processes} × demo k={topk} lr={lr:g}", "demo", processes, extra))
     rows = []
     for name, comm, world, extra in runs:
-        run = WORK / name.replace(" ", "").replace("×", "-").replace("=", "")
+        run = WORK / "".join(c if c.isalnum() or c in "-." else "-" for c in name)
         shutil.rmtree(run, ignore_errors=True)
         launcher = torchrun(1, world, "127.0.0.1", free_port()) if world > 1 else [
             sys.executable, "-m", "teralm.cli",
@@ -89,7 +104,7 @@ def part_one(index: Path, steps: int, processes: int, max_tokens: int, topk: int
             }
         )  # fmt: skip
         print(f"  {name}: bpb {scored['model']:.4f}, {mean:,.0f} B/step", flush=True)
-    reference = rows[1]  # allreduce on as many processes
+    reference = rows[1]  # allreduce on as many processes, at the preset's rate
     for row in rows:
         if row["processes"] > 1:
             row["fewer_bytes"] = reference["bytes_per_step"] / row["bytes_per_step"]
@@ -167,7 +182,7 @@ def part_two(index: Path, steps: int) -> tuple[list[dict], bool]:
                 cmd = [
                     "ip", "netns", "exec", name, *torchrun(2, 1, HOME[2], port, rank),
                     *train_args(index, out, steps, comm, "--config", config,
-                                "--powersgd-warmup", 2),
+                                "--powersgd-warmup", 2, "--onebit-warmup", 0),
                 ]  # fmt: skip
                 procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                               stderr=subprocess.STDOUT, text=True))  # fmt: skip
@@ -195,6 +210,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=100_000)
     parser.add_argument("--link-steps", type=int, default=8, help="steps of each link run")
     parser.add_argument(
+        "--lr", type=float, default=1e-3, help="learning rate of onebit and demo (and allreduce)"
+    )
+    parser.add_argument(
         "--demo-topk", type=int, default=16, help="one more DeMo run with this k (0: none)"
     )
     parser.add_argument("--no-link", action="store_true", help="skip the shaped-link runs")
@@ -203,7 +221,7 @@ def main() -> None:
     WORK.mkdir(parents=True, exist_ok=True)
 
     print(f"part 1: tiny preset, {args.steps} steps, global batch 16 x 256 tokens", flush=True)
-    rows = part_one(index, args.steps, args.processes, args.max_tokens, args.demo_topk)
+    rows = part_one(index, args.steps, args.processes, args.max_tokens, args.lr, args.demo_topk)
     print(
         table(
             rows,

@@ -8,10 +8,12 @@ what ``latest.json`` names and checks the checksums, so a killed save is never l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -22,6 +24,7 @@ from teralm.index import format as fmt
 from teralm.kernels.fp8 import E4M3, quantize_fp8
 
 LATEST = "latest.json"
+LOCK = ".lock"  # held by the process that writes the run
 KEEP = 2
 NAME = re.compile(r"ckpt-\d{8,}")  # the only folders latest.json may name
 # what save() writes in state.json, and the JSON type of each
@@ -108,6 +111,32 @@ def save(
     for old in sorted(run.glob("ckpt-*"))[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+@contextlib.contextmanager
+def lock_run(run: Path) -> Iterator[None]:
+    """Hold ``RUN/.lock`` while this process writes the run (released when it ends, killed or
+    not); ValueError when another process holds it."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        yield
+        return
+    with open(run / LOCK, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = (f.read().split() or ["?"])[-1]
+            raise ValueError(
+                f"another teralm train (process {holder}) is writing {run}; let it finish or "
+                "stop it (with its workers, under torchrun), then resume"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        yield
 
 
 def latest(run: Path) -> Path | None:

@@ -29,13 +29,15 @@ def add_parsers(sub) -> None:
     t.add_argument("--checkpoint-every", type=int, help="steps between checkpoints")
     t.add_argument("--seed", type=int)
     t.add_argument("--batch-size", type=int, help="the global batch, split over the processes")
+    t.add_argument("--lr", type=float, help="peak learning rate (the preset's)")
     t.add_argument(
         "--comm", choices=COMMS, help="how torchrun's processes agree each step (allreduce)"
     )
     t.add_argument("--demo-chunk", type=int, help="DeMo: chunk size of the DCT (64)")
     t.add_argument("--demo-topk", type=int, help="DeMo: components sent per chunk (32)")
     t.add_argument("--demo-beta", type=float, help="DeMo: momentum (0.999)")
-    t.add_argument("--onebit-warmup", type=int, help="1-bit: steps of plain all-reduce first (0)")
+    t.add_argument("--onebit-warmup", type=int, help="1-bit: steps of plain all-reduce first (50)")
+    t.add_argument("--onebit-block", type=int, help="1-bit: values sharing one scale (256)")
     t.add_argument("--optimizer", choices=OPTIMIZERS, help="adamw, or GaLore's (adamw)")
     t.add_argument(
         "--galore-rank", type=float, help="GaLore: rank, or a fraction of the width (0.25)"
@@ -195,9 +197,9 @@ def _train_run(args: argparse.Namespace) -> int:
 
 # train settings that have a flag of their own
 TRAIN_FLAGS = (
-    "max_steps", "max_minutes", "checkpoint_every", "seed", "batch_size", "comm", "demo_chunk",
-    "demo_topk", "demo_beta", "onebit_warmup", "powersgd_rank", "powersgd_warmup", "optimizer",
-    "galore_rank", "galore_gap", "galore_scale",
+    "max_steps", "max_minutes", "checkpoint_every", "seed", "batch_size", "lr", "optimizer",
+    "galore_rank", "galore_gap", "galore_scale", "comm", "demo_chunk", "demo_topk", "demo_beta",
+    "onebit_warmup", "onebit_block", "powersgd_rank", "powersgd_warmup",
 )  # fmt: skip
 
 

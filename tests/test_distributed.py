@@ -261,7 +261,7 @@ def test_compressed_exchanges_train_on_two_processes(corpus, tmp_path, comm):
     out = torchrun(
         2, "train", "--index", corpus.directory, "--out", run, "--config", config,
         "--comm", comm, "--demo-chunk", 8, "--demo-topk", 4, "--powersgd-rank", 1,
-        "--powersgd-warmup", 5, "--quiet",
+        "--powersgd-warmup", 5, "--onebit-warmup", 5, "--quiet",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

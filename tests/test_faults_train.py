@@ -105,3 +105,29 @@ def test_latest_json_outside_the_run_is_refused_by_the_cli(corpus, finished_run,
     (run / "latest.json").write_text(json.dumps({"checkpoint": f"../elsewhere/{CKPT}"}))
     result = run_cli("train", "--index", corpus.directory, "--out", run, "--resume", "--quiet")
     assert str(run / "latest.json") in one_line_error(result)
+
+
+def test_a_run_being_written_is_not_resumed_beside_it(corpus, finished_run, tmp_path):  # noqa: F811
+    """While one process holds the run's lock (a training run still going), a second
+    ``--resume`` of the run stops with one line naming that process, and changes nothing;
+    once the lock is free, the resume goes on."""
+    import fcntl
+    import os
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    args = ["train", "--index", corpus.directory, "--out", run, "--resume", "--max-steps", "5"]
+    with open(run / checkpoint.LOCK, "a+") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        holder.truncate(0)
+        holder.write(f"{os.getpid()}\n")
+        holder.flush()
+        message = one_line_error(run_cli(*args, "--quiet"))
+        assert f"another teralm train (process {os.getpid()}) is writing {run}" in message
+        assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == {
+            **before,
+            checkpoint.LOCK: f"{os.getpid()}\n".encode(),
+        }
+    resumed = run_cli(*args, "--quiet")
+    assert resumed.returncode == 0, resumed.stderr

@@ -30,7 +30,8 @@ class TrainConfig:
     ``batch_size`` is the global batch: with ``torchrun``, each of the W processes takes
     ``batch_size / W`` fragments. ``comm``: how the processes agree each step (see
     teralm.train.distributed); ``demo_*``: DeMo's chunk size, components kept per chunk and
-    momentum; ``onebit_warmup``: steps of plain all-reduce before 1-bit messages; ``powersgd_*``: PowerSGD's matrix rank and the steps of plain all-reduce before it
+    momentum; ``onebit_warmup``: steps of plain all-reduce before 1-bit messages,
+    ``onebit_block``: values sharing one scale in them; ``powersgd_*``: PowerSGD's matrix rank and the steps of plain all-reduce before it
     starts compressing.
     """
 
@@ -59,7 +60,8 @@ class TrainConfig:
     demo_chunk: int = 64
     demo_topk: int = 32
     demo_beta: float = 0.999
-    onebit_warmup: int = 0
+    onebit_warmup: int = 50
+    onebit_block: int = 256
     powersgd_rank: int = 4
     powersgd_warmup: int = 10
     optimizer: str = "adamw"
@@ -76,8 +78,8 @@ class TrainConfig:
             raise ValueError("demo_chunk and demo_topk must be at least 1")
         if not 0 <= self.demo_beta < 1:
             raise ValueError("demo_beta must be in [0, 1)")
-        if self.onebit_warmup < 0:
-            raise ValueError("onebit_warmup must be 0 or more")
+        if self.onebit_warmup < 0 or self.onebit_block < 8 or self.onebit_block % 8:
+            raise ValueError("onebit_warmup must be 0 or more, onebit_block a multiple of 8")
         if self.powersgd_rank < 1 or self.powersgd_warmup < 2:
             raise ValueError("powersgd_rank must be at least 1 and powersgd_warmup at least 2")
         if self.optimizer not in OPTIMIZERS:

@@ -7,7 +7,7 @@ every rank's backward, an exchange makes the ranks agree:
 - ``allreduce``: the gradients' mean over ranks (the reference);
 - ``onebit``: TScale's 1-bit compression with error feedback, as a compressed all-reduce. Each
   rank adds its residual to its gradient and cuts it into one shard per rank; shard ``j`` goes to
-  rank ``j`` as signs (one bit each) and the mean magnitude of every block of ``ONEBIT_BLOCK``
+  rank ``j`` as signs (one bit each) and the mean magnitude of every block of ``onebit_block``
   values. Rank ``j`` averages the shards it received, compresses that mean the same way (with a
   residual of its own) and sends it to everyone. What a message misses is kept and added back
   the next step, so nothing is lost, only delayed.
@@ -39,8 +39,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from teralm.train.compression import SignMessage
 from teralm.train.config import COMMS, TrainConfig
-
-ONEBIT_BLOCK = 1024  # values sharing one scale in a 1-bit message
 
 
 @dataclass(frozen=True)
@@ -190,7 +188,7 @@ class OneBit(Exchange):
     ``residual`` its own message missed, and, for the shard it averages, the
     ``shard_residual`` that its message of the mean missed."""
 
-    def __init__(self, world: World, block: int = ONEBIT_BLOCK, warmup: int = 0):
+    def __init__(self, world: World, block: int, warmup: int = 0):
         super().__init__(world)
         self.block, self.warmup, self.steps = block, warmup, 0
         self.plain = AllReduce(world)
@@ -375,7 +373,7 @@ def make_exchange(cfg: TrainConfig, world: World, optimizer: torch.optim.Optimiz
     if cfg.comm not in COMMS:
         raise ValueError(f"unknown comm {cfg.comm!r}; choose from {', '.join(COMMS)}")
     if cfg.comm == "onebit":
-        return OneBit(world, warmup=cfg.onebit_warmup)
+        return OneBit(world, cfg.onebit_block, cfg.onebit_warmup)
     if cfg.comm == "powersgd":
         return PowerSGD(world, cfg.powersgd_rank, cfg.powersgd_warmup)
     if cfg.comm == "demo":

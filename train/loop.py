@@ -167,7 +167,11 @@ def open_run(run: Path, resume: bool) -> Path | None:
     A folder that holds anything but a run is refused, so no file of it is overwritten."""
     if run.exists() and not run.is_dir():
         raise ValueError(f"--out {run} is a file, not a folder; choose another --out")
-    if run.exists() and any(run.iterdir()) and not holds_run(run):
+    if (
+        run.exists()
+        and any(p.name != checkpoint.LOCK for p in run.iterdir())
+        and not holds_run(run)
+    ):
         raise ValueError(
             f"--out {run} is not empty and holds no teralm run; choose another --out "
             "(a new or empty folder)"
@@ -197,7 +201,8 @@ def train(
         if device.type == "cuda" and world.size > 1:
             device = torch.device("cuda", world.local_rank)
             torch.cuda.set_device(device)
-        result = _train(ix, config, run, resume, progress and world.main, device, world)
+        with contextlib.ExitStack() as held:  # the run's lock, on the main process
+            result = _train(ix, config, run, resume, progress and world.main, device, world, held)
     except BaseException:
         leave_world(world, together=False)
         raise
@@ -205,12 +210,16 @@ def train(
     return result
 
 
-def _open_run_everywhere(run: Path, resume: bool, world: World) -> Path | None:
-    """``open_run`` on the main process, then the checkpoint to resume from, on every one."""
+def _open_run_everywhere(
+    run: Path, resume: bool, world: World, held: contextlib.ExitStack
+) -> Path | None:
+    """``open_run`` and the run's lock (kept in ``held``) on the main process, then the
+    checkpoint to resume from, on every one."""
     error = None
     if world.main:
         try:
             open_run(run, resume)
+            held.enter_context(checkpoint.lock_run(run))
         except ValueError as e:
             error = e
     if world.size > 1:
@@ -256,6 +265,7 @@ def _train(
     progress: bool,
     device: torch.device,
     world: World,
+    held: contextlib.ExitStack,
 ) -> TrainResult:
     keep_freed_memory()
     cfg = config.train
@@ -265,7 +275,7 @@ def _train(
     config.model.max_seq_len = max(config.model.max_seq_len, cfg.seq_len)
     identity = ix.identity()
     _check_world(cfg, world, None)
-    folder = _open_run_everywhere(run, resume, world)
+    folder = _open_run_everywhere(run, resume, world, held)
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every process
     model = Transformer(config.model).to(device)

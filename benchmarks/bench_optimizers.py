@@ -1,0 +1,204 @@
+"""Memory-lean training: AdamW, GaLore and 8-bit GaLore beside galore-torch, in one run.
+
+    pip install -e '.[bench]' galore-torch bitsandbytes
+    python benchmarks/bench_optimizers.py [--steps 300] [--max-tokens 100000]
+
+Part 1, optimizer state: the bytes of every tensor each optimizer keeps (moments, projections,
+scales, steps), after one step with random gradients, for the ``tiny``, ``125m`` and ``1.5b``
+shapes at GaLore rank = width / 4. ``125m`` and ``tiny`` are measured whole; ``1.5b`` from a
+2-block model of its width, its block matrices' state times its block count (every block has the
+same shapes), so that the machine need not hold 1.5B parameters and their AdamW moments.
+
+Part 2, loss and speed: the ``tiny`` preset trained on pydocs with the index for ``--steps``
+steps with each optimizer (galore-torch's GaLoreAdamW given the same parameter groups, rank,
+gap and scale), then held-out bits per byte (``teralm eval``), tokens/s and peak memory of the
+training process. galore-torch's GaLoreAdamW8bit needs CUDA (bitsandbytes), so it is in part 1
+and 2 only where a GPU is.
+
+Prints tables and writes benchmarks/results/bench_optimizers.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from common import CACHE, pydocs_index, run_measured, save, table, teralm_cli
+
+from teralm.index import Index
+from teralm.model import Transformer
+from teralm.train.config import PRESETS, RunConfig
+from teralm.train.optim import galore_groups, make_optimizer
+from teralm.train.report import read_metrics
+
+WORK = CACHE / "optimizers"
+OURS = ("adamw", "galore", "galore8bit")
+MIB = 2**20
+
+
+def peer_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
+    """galore-torch's GaLoreAdamW on teralm's GaLore groups (its own key names)."""
+    from galore_torch import GaLoreAdamW
+
+    groups = []
+    for group in galore_groups(model, cfg):
+        if "rank" in group:
+            group = {
+                "params": group["params"], "weight_decay": group["weight_decay"],
+                "rank": group["rank"], "update_proj_gap": group["gap"],
+                "scale": group["scale"], "proj_type": "std",
+            }  # fmt: skip
+        groups.append(group)
+    optimizer = GaLoreAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+    # its projector objects are not tensors: a checkpoint keeps the moments alone
+    optimizer.state_dict = lambda: {"state": {}, "param_groups": optimizer.param_groups}
+    return optimizer
+
+
+def state_bytes(optimizer: torch.optim.Optimizer, params) -> int:
+    """Bytes of the tensors ``optimizer`` keeps for ``params`` (galore-torch's projections
+    included)."""
+    total = 0
+    for p in params:
+        for value in optimizer.state.get(p, {}).values():
+            if torch.is_tensor(value):
+                total += value.numel() * value.element_size()
+            elif hasattr(value, "ortho_matrix") and value.ortho_matrix is not None:
+                total += value.ortho_matrix.numel() * value.ortho_matrix.element_size()
+    return total
+
+
+def measured_state(preset: str, vocab: int, blocks: int | None) -> dict:
+    """Per optimizer, its state bytes for ``preset``'s shape (``blocks``: build that many
+    blocks and scale the block matrices' state to the preset's count)."""
+    raw = PRESETS[preset]
+    model_cfg = {**raw["model"], "precision": "fp32", "vocab_size": vocab}
+    if blocks:
+        model_cfg["n_layer"] = blocks
+    config = RunConfig.from_dict({**raw, "model": model_cfg})
+    config.train.galore_rank = 0.25
+    torch.manual_seed(0)
+    model = Transformer(config.model)
+    factor = raw["model"]["n_layer"] / blocks if blocks else 1
+    out = {"parameters": 0}
+    for name in (*OURS, "galore-torch"):
+        config.train.optimizer = name if name != "galore-torch" else "galore"
+        opt = (
+            peer_optimizer(model, config.train)
+            if name == "galore-torch"
+            else make_optimizer(model, config.train)
+        )
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+        inside = [p for n, p in model.named_parameters() if n.startswith("blocks.")]
+        outside = [p for n, p in model.named_parameters() if not n.startswith("blocks.")]
+        out[name] = state_bytes(opt, inside) * factor + state_bytes(opt, outside)
+        out["parameters"] = sum(p.numel() for p in inside) * factor + sum(
+            p.numel() for p in outside
+        )
+        del opt
+    return out
+
+
+def part_one(vocab: int) -> list[dict]:
+    rows = []
+    for preset, blocks in (("tiny", None), ("125m", None), ("1.5b", 2)):
+        state = measured_state(preset, vocab, blocks)
+        row = {"preset": preset, "parameters": state["parameters"]}
+        for name in (*OURS, "galore-torch"):
+            row[f"{name}_mib"] = state[name] / MIB
+            row[f"{name}_share"] = state[name] / state["adamw"]
+        rows.append(row)
+        print(f"  {preset}: {state['parameters']:,.0f} parameters", flush=True)
+    return rows
+
+
+def peer_run(index: Path, run: Path, steps: int) -> None:
+    """Train the tiny preset with galore-torch's optimizer, in this process."""
+    import teralm.train.loop as loop
+    from teralm.train.config import load_config
+
+    config = load_config("tiny", None)
+    config.train.max_steps, config.train.checkpoint_every = steps, steps
+    config.train.optimizer = "galore"  # for its groups and settings; the optimizer is the peer's
+    loop.make_optimizer = lambda model, cfg, world=None: peer_optimizer(model, cfg)
+    loop.train(Index.open(index), config, run, progress=False)
+
+
+def part_two(index: Path, steps: int, max_tokens: int) -> list[dict]:
+    rows = []
+    for name in (*OURS, "galore-torch"):
+        run = WORK / f"run-{name}"
+        shutil.rmtree(run, ignore_errors=True)
+        if name == "galore-torch":
+            cmd = [sys.executable, __file__, "--peer-run", str(run), "--steps", str(steps)]
+        else:
+            cmd = [sys.executable, "-m", "teralm.cli", "train", "--index", str(index), "--out",
+                   str(run), "--preset", "tiny", "--max-steps", str(steps), "--checkpoint-every",
+                   str(steps), "--optimizer", name, "--galore-rank", "0.25", "--quiet"]  # fmt: skip
+        measured = run_measured(cmd)
+        if measured["returncode"]:
+            sys.exit(f"{name} failed:\n{measured['output']}")
+        scored = json.loads(
+            teralm_cli("eval", run, "--index", index, "--max-tokens", max_tokens, "--json", "--quiet")
+        )  # fmt: skip
+        metrics = read_metrics(run)
+        timed = [r["tok_per_s"] for r in metrics[1:] or metrics]  # past the first interval
+        rows.append(
+            {
+                "optimizer": name, "bpb": scored["model"], "tok_per_s": sum(timed) / len(timed),
+                "peak_rss_mib": measured["peak_rss"] / MIB, "train_s": metrics[-1]["elapsed_s"],
+            }
+        )  # fmt: skip
+        print(f"  {name}: bpb {scored['model']:.4f}", flush=True)
+    for row in rows:
+        row["bpb_vs_adamw"] = row["bpb"] / rows[0]["bpb"] - 1
+        row["speed_vs_peer"] = row["tok_per_s"] / rows[-1]["tok_per_s"]
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--max-tokens", type=int, default=100_000)
+    parser.add_argument("--peer-run", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    _, index = pydocs_index()
+    if args.peer_run:
+        return peer_run(index, args.peer_run, args.steps)
+    try:
+        import galore_torch  # noqa: F401
+    except ImportError:
+        sys.exit("galore-torch is not installed: pip install galore-torch bitsandbytes")
+    WORK.mkdir(parents=True, exist_ok=True)
+    vocab = Index.open(index).vocab_size
+
+    print("part 1: optimizer state at GaLore rank = width / 4", flush=True)
+    state = part_one(vocab)
+    columns = [("preset", "preset", "s"), ("parameters", "parameters", ",.0f")]
+    for name in (*OURS, "galore-torch"):
+        columns += [(f"{name}_mib", f"{name} MiB", ",.1f"), (f"{name}_share", "of adamw", ".1%")]
+    print(table(state, columns))
+    print(f"part 2: tiny preset, {args.steps} steps on pydocs with the index", flush=True)
+    runs = part_two(index, args.steps, args.max_tokens)
+    print(
+        table(
+            runs,
+            [
+                ("optimizer", "optimizer", "s"), ("bpb", "held-out bpb", ".4f"),
+                ("bpb_vs_adamw", "vs adamw", "+.2%"), ("tok_per_s", "tokens/s", ",.0f"),
+                ("speed_vs_peer", "vs galore-torch", ".2f"),
+                ("peak_rss_mib", "peak RSS MiB", ",.0f"), ("train_s", "train s", ".0f"),
+            ],
+        )
+    )  # fmt: skip
+    print(f"wrote {save('bench_optimizers', {'state': state, 'runs': runs})}")
+
+
+if __name__ == "__main__":
+    main()
