@@ -5,7 +5,9 @@
 # 2. checks fp8 on the GPU (torch._scaled_mm) against the CPU emulation, and the model tests;
 # 3. times bf16 against fp8 training at 124M-like and ~1B-like shapes (benchmarks/gpu_train.py);
 # 4. trains the tiny preset on one GPU under torchrun (NCCL) with --comm allreduce and demo, and
-#    prints each one's tokens/s (benchmarks/cache/gpu_comm/).
+#    prints each one's tokens/s (benchmarks/cache/gpu_comm/);
+# 5. trains the tiny preset with AdamW, GaLore, 8-bit GaLore and galore-torch's GaLoreAdamW on the
+#    GPU (benchmarks/bench_optimizers.py --steps 100: state bytes, held-out bpb, tokens/s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA GPU')"
@@ -21,3 +23,6 @@ for comm in allreduce demo; do
     --preset tiny --max-steps 100 --comm "$comm" --quiet
   python -c "import json, sys; r = [json.loads(l) for l in open(sys.argv[1])][-1]; print(sys.argv[2], f\"{r['tok_per_s']:,.0f} tokens/s, {r['sent_bytes']} bytes sent in the last step\")" "$work/$comm/metrics.jsonl" "$comm"
 done
+python -c "import galore_torch" 2>/dev/null || python -m pip install -q galore-torch bitsandbytes \
+  || echo "galore-torch cannot be installed here: bench_optimizers runs without its rows"
+python benchmarks/bench_optimizers.py --steps 100

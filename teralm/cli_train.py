@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from teralm.model.config import AUTO, PRECISIONS
-from teralm.train.config import COMMS, OPTIMIZERS, PRESETS
+from teralm.train.config import COMMS, OFFLOADS, OPTIMIZERS, PRESETS
 
 
 def add_parsers(sub) -> None:
@@ -44,6 +44,9 @@ def add_parsers(sub) -> None:
     )
     t.add_argument("--galore-gap", type=int, help="GaLore: steps between projections (200)")
     t.add_argument("--galore-scale", type=float, help="GaLore: scale of the update (0.25)")
+    t.add_argument(
+        "--offload", choices=OFFLOADS, help="optimizer state (and master weights) on the CPU"
+    )
     t.add_argument("--powersgd-rank", type=int, help="PowerSGD: rank of its factors (4)")
     t.add_argument(
         "--powersgd-warmup", type=int, help="PowerSGD: steps of plain all-reduce first (10)"
@@ -198,7 +201,7 @@ def _train_run(args: argparse.Namespace) -> int:
 # train settings that have a flag of their own
 TRAIN_FLAGS = (
     "max_steps", "max_minutes", "checkpoint_every", "seed", "batch_size", "lr", "optimizer",
-    "galore_rank", "galore_gap", "galore_scale", "comm", "demo_chunk", "demo_topk", "demo_beta",
+    "galore_rank", "galore_gap", "galore_scale", "offload", "comm", "demo_chunk", "demo_topk", "demo_beta",
     "onebit_warmup", "onebit_block", "powersgd_rank", "powersgd_warmup",
 )  # fmt: skip
 

@@ -184,3 +184,5 @@ def test_optimizer_choices_that_cannot_work_are_refused(corpus, tmp_path):
     assert "the run was trained with other settings: optimizer" in switched.stderr
     both = run_cli(*args, "--out", tmp_path / "demo", "--optimizer", "galore", "--comm", "demo")
     assert both.returncode == 1 and "comm demo is an optimizer of its own" in both.stderr
+    offloaded = run_cli(*args, "--out", tmp_path / "d2", "--offload", "optimizer", "--comm", "demo")
+    assert offloaded.returncode == 1 and "use offload none" in offloaded.stderr

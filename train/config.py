@@ -12,6 +12,7 @@ from teralm.model.config import ModelConfig
 SCHEDULES = ("cosine", "wsd")
 COMMS = ("allreduce", "onebit", "powersgd", "demo")  # gradient exchanges: train.distributed
 OPTIMIZERS = ("adamw", "galore", "galore8bit")  # see teralm.train.optim
+OFFLOADS = ("none", "optimizer", "optimizer+master")  # see teralm.train.offload
 # training settings added later, with the value that means "as runs trained before them"
 ADDED_SINCE = {"own_loss_weight": 0.0, "index_dropout": 0.0}
 
@@ -68,6 +69,7 @@ class TrainConfig:
     galore_rank: float = 0.25
     galore_gap: int = 200
     galore_scale: float = 0.25
+    offload: str = "none"
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -89,6 +91,10 @@ class TrainConfig:
                 f"comm demo is an optimizer of its own; optimizer {self.optimizer} needs another "
                 "comm (allreduce, onebit or powersgd)"
             )
+        if self.offload not in OFFLOADS:
+            raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}")
+        if self.offload != "none" and self.comm == "demo":
+            raise ValueError("comm demo exchanges its momentum on the device: use offload none")
         if self.galore_rank <= 0 or self.galore_gap < 1:
             raise ValueError("galore_rank must be above 0 and galore_gap at least 1")
         for name in (

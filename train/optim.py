@@ -1,5 +1,6 @@
 """Optimizers and their state: AdamW (one process or exchanged gradients), GaLore (AdamW in a
-low-rank projection of each matrix's gradient, teralm.train.galore) and DeMo.
+low-rank projection of each matrix's gradient, teralm.train.galore), either offloaded to the CPU
+(teralm.train.offload), and DeMo.
 
 DeMo (decoupled momentum, Peng, Quesnelle and Kingma, 2024) keeps each rank's momentum local
 and sends only what changes fastest in it: every step a rank adds its gradient to its momentum
@@ -19,6 +20,7 @@ from teralm.train.compression import DCTMessage, DCTTopK
 from teralm.train.config import TrainConfig
 from teralm.train.distributed import Traffic, World, all_gather
 from teralm.train.galore import GaLoreAdamW
+from teralm.train.offload import Offloaded
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -51,19 +53,32 @@ def galore_groups(model: torch.nn.Module, cfg: TrainConfig) -> list[dict]:
 
 def make_optimizer(
     model: torch.nn.Module, cfg: TrainConfig, world: World | None = None
-) -> torch.optim.Optimizer:
+) -> torch.optim.Optimizer | Offloaded:
     """DeMo for ``comm = "demo"``; GaLore for ``optimizer = "galore"`` or ``"galore8bit"``; else
-    AdamW, fused (one kernel for all parameters, on the CPU too)."""
+    AdamW, fused (one kernel for all parameters, on the CPU too); on CPU copies of the weights
+    with ``offload`` (bf16 working weights on a GPU with ``optimizer+master``)."""
     if cfg.comm == "demo":
         compression = DCTTopK(cfg.demo_chunk, cfg.demo_topk)
         groups = parameter_groups(model, cfg.weight_decay)
         return DeMo(groups, cfg.lr, cfg.demo_beta, compression, world or World())
-    if cfg.optimizer != "adamw":
-        eight_bit = cfg.optimizer == "galore8bit"
-        betas = (cfg.beta1, cfg.beta2)
-        return GaLoreAdamW(galore_groups(model, cfg), cfg.lr, betas, eight_bit=eight_bit)
-    groups = parameter_groups(model, cfg.weight_decay)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
+    betas = (cfg.beta1, cfg.beta2)
+    if cfg.optimizer == "adamw":
+        groups = parameter_groups(model, cfg.weight_decay)
+
+        def make(groups: list[dict]) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, fused=True)
+
+    else:
+        groups = galore_groups(model, cfg)
+
+        def make(groups: list[dict]) -> torch.optim.Optimizer:
+            return GaLoreAdamW(groups, cfg.lr, betas, eight_bit=cfg.optimizer == "galore8bit")
+
+    if cfg.offload == "none":
+        return make(groups)
+    on_gpu = next(model.parameters()).is_cuda
+    masters = cfg.offload == "optimizer+master"
+    return Offloaded(groups, make, masters, torch.bfloat16 if on_gpu else None)
 
 
 class DeMo(torch.optim.Optimizer):

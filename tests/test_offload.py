@@ -1,0 +1,106 @@
+"""CPU offload of the optimizer: equal to the optimizer in place, bit for bit, and resumable."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import build_docs, random_documents
+from test_cli import run_cli
+from test_galore import CONFIG as GALORE_CONFIG
+
+from teralm.model import checkpoint
+from teralm.train.galore import GaLoreAdamW
+from teralm.train.offload import Offloaded
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.ReLU(), torch.nn.Linear(20, 5))
+
+
+def adamw(groups):
+    return torch.optim.AdamW(groups, lr=0.01, weight_decay=0.1, fused=True)
+
+
+def galore(groups):
+    return GaLoreAdamW(
+        [{**groups[0], "rank": 3, "gap": 2, "scale": 0.5}, *groups[1:]], lr=0.01, eight_bit=True
+    )
+
+
+def groups_of(net: torch.nn.Module) -> list[dict]:
+    matrices = [p for p in net.parameters() if p.ndim == 2]
+    return [{"params": matrices}, {"params": [p for p in net.parameters() if p.ndim < 2]}]
+
+
+def steps(net, optimizer, count: int, seed: int) -> list[float]:
+    generator = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(count):
+        x = torch.randn(8, 12, generator=generator)
+        loss = net(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("make", [adamw, galore])
+@pytest.mark.parametrize("masters", [False, True])
+def test_offloaded_training_equals_training_in_place(make, masters):
+    here, there = model(), model()
+    want = steps(here, make(groups_of(here)), 6, seed=1)
+    got = steps(there, Offloaded(groups_of(there), make, masters=masters), 6, seed=1)
+    assert got == want
+    for a, b in zip(here.parameters(), there.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("masters", [False, True])
+def test_offloaded_state_survives_a_checkpoint(tmp_path, masters):
+    """Saved (masters included) and restored into a fresh model and optimizer, the offloaded
+    run goes on exactly as the uninterrupted one."""
+    whole = model()
+    whole_opt = Offloaded(groups_of(whole), adamw, masters=masters)
+    want = steps(whole, whole_opt, 3, seed=2) + steps(whole, whole_opt, 3, seed=3)
+
+    first = model()
+    first_opt = Offloaded(groups_of(first), adamw, masters=masters)
+    steps(first, first_opt, 3, seed=2)
+    state = {"config": {}, "index": {}, "tokens": 0, "wall_s": 0.0}
+    checkpoint.save(tmp_path, 3, first, first_opt, state)
+    weights, tensors, state = checkpoint.load(checkpoint.latest(tmp_path))
+    assert any(k.endswith(".master") for k in tensors) == masters
+
+    resumed = model()
+    resumed_opt = Offloaded(groups_of(resumed), adamw, masters=masters)
+    resumed.load_state_dict(weights)
+    tensors.pop("torch_rng")
+    checkpoint.restore_optimizer(resumed_opt, tensors, state["optimizer"])
+    assert steps(resumed, resumed_opt, 3, seed=3) == want[3:]
+    for a, b in zip(whole.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_teralm_train_with_offload_ends_with_the_weights_trained_in_place(tmp_path):
+    """``teralm train --offload`` (both kinds, AdamW and 8-bit GaLore) ends with the weights of
+    the same run without it, bit for bit, on the CPU."""
+    rng = np.random.default_rng(7)
+    corpus = build_docs(tmp_path / "corpus", random_documents(rng, 30, "abcd", 150))
+    config = tmp_path / "run.toml"
+    config.write_text(GALORE_CONFIG.replace("max_steps = 6", "max_steps = 4"))
+    for optimizer in ("adamw", "galore8bit"):
+        runs = {}
+        for offload in ("none", "optimizer", "optimizer+master"):
+            run = tmp_path / f"{optimizer}-{offload}"
+            out = run_cli(
+                "train", "--index", corpus.directory, "--config", config, "--out", run,
+                "--optimizer", optimizer, "--offload", offload, "--quiet",
+            )  # fmt: skip
+            assert out.returncode == 0, out.stderr
+            runs[offload] = checkpoint.load(checkpoint.latest(run))[0]
+        for offload in ("optimizer", "optimizer+master"):
+            for name, want in runs["none"].items():
+                assert torch.equal(runs[offload][name], want), (optimizer, offload, name)
