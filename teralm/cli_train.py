@@ -47,6 +47,12 @@ def add_parsers(sub) -> None:
     t.add_argument(
         "--offload", choices=OFFLOADS, help="optimizer state (and master weights) on the CPU"
     )
+    t.add_argument(
+        "--per-layer-update",
+        action="store_true",
+        default=None,
+        help="step each parameter inside the backward and free its gradient",
+    )
     t.add_argument("--powersgd-rank", type=int, help="PowerSGD: rank of its factors (4)")
     t.add_argument(
         "--powersgd-warmup", type=int, help="PowerSGD: steps of plain all-reduce first (10)"
@@ -201,8 +207,9 @@ def _train_run(args: argparse.Namespace) -> int:
 # train settings that have a flag of their own
 TRAIN_FLAGS = (
     "max_steps", "max_minutes", "checkpoint_every", "seed", "batch_size", "lr", "optimizer",
-    "galore_rank", "galore_gap", "galore_scale", "offload", "comm", "demo_chunk", "demo_topk", "demo_beta",
-    "onebit_warmup", "onebit_block", "powersgd_rank", "powersgd_warmup",
+    "galore_rank", "galore_gap", "galore_scale", "offload", "per_layer_update", "comm",
+    "demo_chunk", "demo_topk", "demo_beta", "onebit_warmup", "onebit_block", "powersgd_rank",
+    "powersgd_warmup",
 )  # fmt: skip
 
 

@@ -1,6 +1,9 @@
-"""CPU offload of the optimizer: equal to the optimizer in place, bit for bit, and resumable."""
+"""Memory-lean updates: CPU offload of the optimizer and per-layer updates in the backward, each
+equal to the ordinary update in place, bit for bit, and resumable."""
 
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ from test_galore import CONFIG as GALORE_CONFIG
 from teralm.model import checkpoint
 from teralm.train.galore import GaLoreAdamW
 from teralm.train.offload import Offloaded
+from teralm.train.per_layer import PerLayer
 
 
 def model() -> torch.nn.Module:
@@ -24,9 +28,10 @@ def adamw(groups):
 
 
 def galore(groups):
-    return GaLoreAdamW(
-        [{**groups[0], "rank": 3, "gap": 2, "scale": 0.5}, *groups[1:]], lr=0.01, eight_bit=True
-    )
+    """8-bit GaLore, the groups of matrices projected."""
+    projected = {"rank": 3, "gap": 2, "scale": 0.5}
+    groups = [{**g, **projected} if g["params"][0].ndim == 2 else g for g in groups]
+    return GaLoreAdamW(groups, lr=0.01, eight_bit=True)
 
 
 def groups_of(net: torch.nn.Module) -> list[dict]:
@@ -104,3 +109,48 @@ def test_teralm_train_with_offload_ends_with_the_weights_trained_in_place(tmp_pa
         for offload in ("optimizer", "optimizer+master"):
             for name, want in runs["none"].items():
                 assert torch.equal(runs[offload][name], want), (optimizer, offload, name)
+
+
+@pytest.mark.parametrize("make", [adamw, galore])
+def test_per_layer_updates_equal_the_ordinary_update(make):
+    """Stepped from the backward one parameter at a time, the weights after each step are those
+    of one step of the whole optimizer; no gradient is left after the backward."""
+    here, there = model(), model()
+    want = steps(here, make(groups_of(here)), 4, seed=4)
+    per_layer = PerLayer(groups_of(there), make)
+    got = steps(there, per_layer, 4, seed=4)
+    assert got == want
+    for a, b in zip(here.parameters(), there.parameters()):
+        assert torch.equal(a, b) and b.grad is None
+    state = copy.deepcopy(per_layer.state_dict())  # as a checkpoint keeps it
+    again = model()
+    again.load_state_dict(there.state_dict())
+    resumed = PerLayer(groups_of(again), make)
+    resumed.load_state_dict(state)
+    assert steps(again, resumed, 2, seed=5) == steps(there, per_layer, 2, seed=5)
+
+
+def test_teralm_train_per_layer_equals_the_ordinary_step_and_refuses_what_needs_all(tmp_path):
+    """``--per-layer-update`` (no clipping) ends with the weights of the ordinary step; with
+    clipping by global norm it is refused before anything is written."""
+    rng = np.random.default_rng(8)
+    corpus = build_docs(tmp_path / "corpus", random_documents(rng, 30, "abcd", 150))
+    config = tmp_path / "run.toml"
+    config.write_text(GALORE_CONFIG.replace("max_steps = 6", "max_steps = 4\ngrad_clip = 0.0"))
+    args = ["train", "--index", corpus.directory, "--config", config, "--quiet"]
+    weights = []
+    for extra in ([], ["--per-layer-update"]):
+        run = tmp_path / f"run{len(extra)}"
+        out = run_cli(*args, "--out", run, "--optimizer", "galore8bit", *extra)
+        assert out.returncode == 0, out.stderr
+        weights.append(checkpoint.load(checkpoint.latest(run))[0])
+    for name, want in weights[0].items():
+        assert torch.equal(weights[1][name], want), name
+    clipped = tmp_path / "clipped.toml"
+    clipped.write_text(GALORE_CONFIG)
+    refused = run_cli(
+        "train", "--index", corpus.directory, "--config", clipped, "--out", tmp_path / "no",
+        "--per-layer-update", "--quiet",
+    )  # fmt: skip
+    assert refused.returncode == 1 and "it needs grad_accum 1, grad_clip 0" in refused.stderr
+    assert not (tmp_path / "no").exists()

@@ -70,6 +70,7 @@ class TrainConfig:
     galore_gap: int = 200
     galore_scale: float = 0.25
     offload: str = "none"
+    per_layer_update: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -95,6 +96,19 @@ class TrainConfig:
             raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}")
         if self.offload != "none" and self.comm == "demo":
             raise ValueError("comm demo exchanges its momentum on the device: use offload none")
+        if self.grad_clip < 0:
+            raise ValueError("grad_clip must be 0 (no clipping) or more")
+        if self.per_layer_update and (
+            self.grad_accum != 1
+            or self.grad_clip
+            or self.comm != "allreduce"
+            or self.offload != "none"
+        ):
+            raise ValueError(
+                "per_layer_update steps each parameter during the backward, before the whole "
+                "gradient exists: it needs grad_accum 1, grad_clip 0, comm allreduce on one "
+                "process and offload none"
+            )
         if self.galore_rank <= 0 or self.galore_gap < 1:
             raise ValueError("galore_rank must be above 0 and galore_gap at least 1")
         for name in (

@@ -240,6 +240,11 @@ def _check_world(cfg: TrainConfig, world: World, state: dict | None) -> None:
             f"batch_size {cfg.batch_size} (the global batch) is not a multiple of the "
             f"{world.size} processes; choose a batch_size that {world.size} divides"
         )
+    if cfg.per_layer_update and world.size > 1:
+        raise ValueError(
+            "per_layer_update steps before the processes could exchange gradients: "
+            "train it on one process"
+        )
     saved = (state or {}).get("world_size", 1)
     if state is not None and saved != world.size:
         raise ValueError(
@@ -372,7 +377,8 @@ def _train(
                     (loss / cfg.grad_accum).backward()
                 micro_losses.append(mixed.detach())
             exchange.exchange(params)
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            if cfg.grad_clip:
+                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             tokens_done += tokens_per_step

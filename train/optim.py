@@ -21,6 +21,7 @@ from teralm.train.config import TrainConfig
 from teralm.train.distributed import Traffic, World, all_gather
 from teralm.train.galore import GaLoreAdamW
 from teralm.train.offload import Offloaded
+from teralm.train.per_layer import PerLayer
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -53,10 +54,11 @@ def galore_groups(model: torch.nn.Module, cfg: TrainConfig) -> list[dict]:
 
 def make_optimizer(
     model: torch.nn.Module, cfg: TrainConfig, world: World | None = None
-) -> torch.optim.Optimizer | Offloaded:
+) -> torch.optim.Optimizer | Offloaded | PerLayer:
     """DeMo for ``comm = "demo"``; GaLore for ``optimizer = "galore"`` or ``"galore8bit"``; else
     AdamW, fused (one kernel for all parameters, on the CPU too); on CPU copies of the weights
-    with ``offload`` (bf16 working weights on a GPU with ``optimizer+master``)."""
+    with ``offload`` (bf16 working weights on a GPU with ``optimizer+master``); stepped
+    parameter by parameter inside the backward with ``per_layer_update``."""
     if cfg.comm == "demo":
         compression = DCTTopK(cfg.demo_chunk, cfg.demo_topk)
         groups = parameter_groups(model, cfg.weight_decay)
@@ -74,6 +76,8 @@ def make_optimizer(
         def make(groups: list[dict]) -> torch.optim.Optimizer:
             return GaLoreAdamW(groups, cfg.lr, betas, eight_bit=cfg.optimizer == "galore8bit")
 
+    if cfg.per_layer_update:
+        return PerLayer(groups, make)
     if cfg.offload == "none":
         return make(groups)
     on_gpu = next(model.parameters()).is_cuda
