@@ -10,8 +10,8 @@ shapes at GaLore rank = width / 4. ``125m`` and ``tiny`` are measured whole; ``1
 same shapes), so that the machine need not hold 1.5B parameters and their AdamW moments.
 
 Part 2, loss and speed: the ``tiny`` preset trained on pydocs with the index for ``--steps``
-steps with each optimizer (galore-torch's GaLoreAdamW given the same parameter groups, rank,
-gap and scale), then held-out bits per byte (``teralm eval``), tokens/s and peak memory of the
+steps with each optimizer, offloaded and per layer (``VARIANTS``; per layer without clipping),
+and galore-torch's GaLoreAdamW given the same parameter groups, rank, gap and scale; then held-out bits per byte (``teralm eval``), tokens/s and peak memory of the
 training process. galore-torch's GaLoreAdamW8bit needs CUDA (bitsandbytes), so it is in part 1
 and 2 only where a GPU is.
 
@@ -55,8 +55,9 @@ def peer_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
             }  # fmt: skip
         groups.append(group)
     optimizer = GaLoreAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
-    # its projector objects are not tensors: a checkpoint keeps the moments alone
-    optimizer.state_dict = lambda: {"state": {}, "param_groups": optimizer.param_groups}
+    # its projector objects are not tensors: the run's checkpoints keep no optimizer state
+    plain = torch.optim.Optimizer.state_dict
+    optimizer.state_dict = lambda: {**plain(optimizer), "state": {}}
     return optimizer
 
 
@@ -131,32 +132,67 @@ def peer_run(index: Path, run: Path, steps: int) -> None:
     loop.train(Index.open(index), config, run, progress=False)
 
 
-def part_two(index: Path, steps: int, max_tokens: int) -> list[dict]:
+# training runs of part 2 beside the three optimizers: (label, teralm train flags)
+VARIANTS = (
+    ("adamw, offload", ["--optimizer", "adamw", "--offload", "optimizer+master"]),
+    ("galore8bit, offload", ["--optimizer", "galore8bit", "--offload", "optimizer+master"]),
+    ("galore8bit, per layer", ["--optimizer", "galore8bit", "--per-layer-update"]),
+)
+
+
+def finished(run: Path, steps: int) -> bool:
+    """Whether ``run`` holds a finished run of ``steps`` steps."""
+    try:
+        return json.loads((run / "latest.json").read_text())["step"] == steps
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def scored_row(name: str, run: Path, index: Path, max_tokens: int, peak_rss: int | None) -> dict:
+    """Held-out bpb, tokens/s and training time of a finished run."""
+    scored = json.loads(
+        teralm_cli("eval", run, "--index", index, "--max-tokens", max_tokens, "--json", "--quiet")
+    )
+    metrics = read_metrics(run)
+    timed = [r["tok_per_s"] for r in metrics[1:] or metrics]  # past the first interval
+    print(f"  {name}: bpb {scored['model']:.4f}", flush=True)
+    return {
+        "optimizer": name, "bpb": scored["model"], "tok_per_s": sum(timed) / len(timed),
+        "peak_rss_mib": peak_rss / MIB if peak_rss else None,
+        "train_s": metrics[-1]["elapsed_s"],
+    }  # fmt: skip
+
+
+def part_two(index: Path, steps: int, max_tokens: int, reuse: bool) -> list[dict]:
+    no_clip = WORK / "tiny-no-clip.toml"  # per-layer updates cannot clip by global norm
+    raw = PRESETS["tiny"]
+    no_clip.write_text(
+        "[model]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in raw["model"].items())
+        + "[train]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in raw["train"].items())
+        + "grad_clip = 0.0\n"
+    )  # fmt: skip
+    runs = [(name, ["--optimizer", name]) for name in OURS] + list(VARIANTS)
+    runs += [(name, None) for name in PEERS]
     rows = []
-    for name in (*OURS, *PEERS):
-        run = WORK / f"run-{name}"
+    for name, flags in runs:
+        run = WORK / ("run-" + "".join(c if c.isalnum() else "-" for c in name))
+        if reuse and finished(run, steps):
+            rows.append(scored_row(name, run, index, max_tokens, None))
+            continue
         shutil.rmtree(run, ignore_errors=True)
-        if name == "galore-torch":
+        if flags is None:
             cmd = [sys.executable, __file__, "--peer-run", str(run), "--steps", str(steps)]
         else:
+            chosen = ["--config", str(no_clip)] if "--per-layer-update" in flags else [
+                "--preset", "tiny",
+            ]  # fmt: skip
             cmd = [sys.executable, "-m", "teralm.cli", "train", "--index", str(index), "--out",
-                   str(run), "--preset", "tiny", "--max-steps", str(steps), "--checkpoint-every",
-                   str(steps), "--optimizer", name, "--galore-rank", "0.25", "--quiet"]  # fmt: skip
+                   str(run), *chosen, "--max-steps", str(steps), "--checkpoint-every",
+                   str(steps), *flags, "--galore-rank", "0.25", "--quiet"]  # fmt: skip
         measured = run_measured(cmd)
         if measured["returncode"]:
             sys.exit(f"{name} failed:\n{measured['output']}")
-        scored = json.loads(
-            teralm_cli("eval", run, "--index", index, "--max-tokens", max_tokens, "--json", "--quiet")
-        )  # fmt: skip
-        metrics = read_metrics(run)
-        timed = [r["tok_per_s"] for r in metrics[1:] or metrics]  # past the first interval
-        rows.append(
-            {
-                "optimizer": name, "bpb": scored["model"], "tok_per_s": sum(timed) / len(timed),
-                "peak_rss_mib": measured["peak_rss"] / MIB, "train_s": metrics[-1]["elapsed_s"],
-            }
-        )  # fmt: skip
-        print(f"  {name}: bpb {scored['model']:.4f}", flush=True)
+        rows.append(scored_row(name, run, index, max_tokens, measured["peak_rss"]))
     for row in rows:
         row["bpb_vs_adamw"] = row["bpb"] / rows[0]["bpb"] - 1
         if PEERS:
@@ -168,6 +204,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--max-tokens", type=int, default=100_000)
+    parser.add_argument(
+        "--reuse", action="store_true", help="score runs of part 2 already finished, not retrain"
+    )
     parser.add_argument("--peer-run", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     _, index = pydocs_index()
@@ -189,7 +228,7 @@ def main() -> None:
         columns += [(f"{name}_mib", f"{name} MiB", ",.1f"), (f"{name}_share", "of adamw", ".1%")]
     print(table(state, columns))
     print(f"part 2: tiny preset, {args.steps} steps on pydocs with the index", flush=True)
-    runs = part_two(index, args.steps, args.max_tokens)
+    runs = part_two(index, args.steps, args.max_tokens, args.reuse)
     print(
         table(
             runs,
