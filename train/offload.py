@@ -43,15 +43,10 @@ class Offloaded:
             for p, _ in self.pairs:
                 p.data = p.data.to(working_dtype)
         self.inner = make(cpu_groups)
-        self.traffic = getattr(self.inner, "traffic", None)
 
     @property
     def param_groups(self) -> list[dict]:
         return self.inner.param_groups
-
-    @property
-    def state(self):
-        return self.inner.state
 
     @torch.no_grad()
     def step(self) -> None:

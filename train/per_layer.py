@@ -24,7 +24,6 @@ class PerLayer:
         self.optimizers = {
             p: make([{**group, "params": [p]}]) for group in groups for p in group["params"]
         }
-        self.traffic = None
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._update)
 
@@ -35,10 +34,6 @@ class PerLayer:
     @property
     def param_groups(self) -> list[dict]:
         return [group for opt in self.optimizers.values() for group in opt.param_groups]
-
-    @property
-    def state(self) -> dict:
-        return {p: opt.state[p] for p, opt in self.optimizers.items()}
 
     def step(self) -> None:
         """Nothing: every parameter was stepped during the backward."""
