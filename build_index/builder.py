@@ -13,9 +13,11 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 from tqdm import tqdm
 
 from teralm.build_index import features, prefix, tokenize, verify
@@ -31,6 +33,30 @@ class BuildError(Exception):
     """A build cannot go on; the message tells the user what to do."""
 
 
+def default_memory() -> int:
+    """Half of the memory this process may use: the RAM, or its cgroup's limit when lower."""
+    limit = psutil.virtual_memory().total
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        with suppress(OSError, ValueError):
+            limit = min(limit, int(Path(path).read_text().strip()))
+    return limit // 2
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``"2G"``, ``"512M"``, ``"64k"`` or a plain number."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    number, unit = text.strip().upper().rstrip("IB"), ""
+    if number and number[-1] in units:
+        number, unit = number[:-1], number[-1]
+    try:
+        size = int(float(number) * units[unit])
+    except ValueError:
+        raise ValueError(f"--memory {text!r} is not a size such as 2G or 512M") from None
+    if size <= 0:
+        raise ValueError(f"--memory {text!r} must be more than 0")
+    return size
+
+
 @dataclass
 class BuildConfig:
     source: str
@@ -39,14 +65,16 @@ class BuildConfig:
     shard_tokens: int = 1 << 25
     max_match: int = 32
     workers: int = 1
+    memory: int = 1 << 31
     force: bool = False
     text_field: str = "text"
     verify_samples: int = 16
     progress: bool = True
 
     def params(self, fingerprint: str) -> dict:
-        """What decides the index's content (workers and progress do not)."""
+        """What decides the index's content (workers, memory and progress do not)."""
         return {
+            "format": fmt.FORMAT_VERSION,
             "source": self.source,
             "fingerprint": fingerprint,
             "tokenizer": self.tokenizer,
@@ -63,11 +91,11 @@ class BuildResult:
 
 
 def _index_files(out: Path) -> list[Path]:
-    names = {fmt.MANIFEST, fmt.TOKENIZER, fmt.DOCUMENT_OFFSETS, fmt.CATALOG, fmt.BUCKETS}
+    names = {fmt.MANIFEST, fmt.TOKENIZER, fmt.DOCUMENT_OFFSETS, fmt.CATALOG}
     return [
         p
         for p in out.iterdir()
-        if p.name in names or p.name.startswith("shard-") or ".tmp" in p.name
+        if p.name in names or p.name.startswith(("shard-", "order.")) or ".tmp" in p.name
     ]
 
 
@@ -234,11 +262,11 @@ def _build_passes(config, source, kind, vocab, catalog, params) -> BuildResult:
         ) as bar:
 
             def sorted_done(result):
-                k, seconds = result
-                catalog.put({unit_key("p2/shard", k): {"seconds": seconds}})
+                k, seconds, written = result
+                catalog.put({unit_key("p2/shard", k): {"seconds": seconds, "bytes": written}})
                 bar.update()
 
-            _run_units(prefix.sort_one_shard, todo, config.workers, sorted_done)
+            _run_units(prefix.sort_one_shard, todo, _sort_workers(layout, config), sorted_done)
 
     with measure(stats[2]):
         stats[2].skipped = catalog.get("p3/done") is not None
@@ -251,22 +279,39 @@ def _build_passes(config, source, kind, vocab, catalog, params) -> BuildResult:
 
 
 def _features_pass(layout: Layout, catalog: Catalog, config: BuildConfig) -> None:
-    features.forget_cached_files()
-    features.create_sorted_feature_files(layout)
-    firsts, cumulative = features.make_plan(layout)
-    buckets = cumulative.astype(fmt.BUCKET_DTYPE)  # for the query engine
-    fmt.write_atomic(Path(layout.directory) / fmt.BUCKETS, buckets)
+    if catalog.get("p3/merged") is None:
+        _merge_jobs(layout, catalog, config)
+    features.remove_runs(layout)
+    shards = [
+        (layout, k)
+        for k in range(layout.num_shards)
+        if catalog.get(unit_key("p3/shard", k)) is None
+    ]
+    _run_units(
+        features.write_match_file,
+        shards,
+        config.workers,
+        lambda result: catalog.put({unit_key("p3/shard", result[0]): {"tokens": result[1]}}),
+    )
+    catalog.put({"p3/done": {"jobs": len(catalog.get("p3/jobs"))}})
+
+
+def _merge_jobs(layout: Layout, catalog: Catalog, config: BuildConfig) -> None:
+    """The merge jobs of pass 3: the global order, and the features in sorted order."""
+    features.create_work_files(layout)
+    firsts, starts = features.make_plan(layout)
+    fmt.write_atomic(layout.order_path("buckets"), starts.astype(fmt.BUCKET_DTYPE))
     jobs = catalog.get("p3/jobs")
     if jobs is None:
-        target = min(max(layout.num_tokens // (4 * max(config.workers, 1)), 1 << 12), 1 << 23)
-        jobs = features.split_jobs(cumulative, target)
+        jobs = features.split_jobs(starts, _job_rows(layout, config))
         catalog.put({"p3/jobs": jobs})
+    spans = features.run_spans(layout, jobs)
     todo = [
-        (i, features.job_ranges(cumulative, tuple(b)))
-        for i, b in enumerate(jobs)
+        (i, spans[i], int(starts[b0]))
+        for i, (b0, _) in enumerate(jobs)
         if catalog.get(unit_key("p3/job", i)) is None
     ]
-    remaining = sum(hi - lo for _, ranges in todo for lo, hi in ranges)
+    remaining = sum(int(starts[jobs[i][1]] - starts[jobs[i][0]]) for i, _, _ in todo)
     with tqdm(
         total=layout.num_tokens,
         initial=layout.num_tokens - remaining,
@@ -279,28 +324,40 @@ def _features_pass(layout: Layout, catalog: Catalog, config: BuildConfig) -> Non
         def job_done(result):
             i, rows = result
             catalog.put({unit_key("p3/job", i): {"positions": rows}})
+            features.release_runs(layout, spans[i])
             bar.update(rows)
 
         _run_units(
-            _numbered_job, [(i, layout, firsts, r) for i, r in todo], config.workers, job_done
+            _numbered_job,
+            [(i, layout, firsts, *job) for i, *job in todo],
+            config.workers,
+            job_done,
         )
+    catalog.put({"p3/merged": {"jobs": len(jobs)}})
 
-    shards = [
-        (layout, k)
-        for k in range(layout.num_shards)
-        if catalog.get(unit_key("p3/shard", k)) is None
-    ]
-    _run_units(
-        features.write_match_file,
-        shards,
-        config.workers,
-        lambda result: catalog.put({unit_key("p3/shard", result[0]): {"tokens": result[1]}}),
+
+def _numbered_job(i, layout, firsts, spans, global_start):
+    return i, features.features_job(layout, firsts, spans, global_start)
+
+
+def _sort_workers(layout: Layout, config: BuildConfig) -> int:
+    """How many shards the memory budget lets pass 2 sort at once (at most ``workers``)."""
+    need = prefix.SORT_BYTES_PER_TOKEN * (
+        min(layout.shard_tokens, layout.num_tokens) + layout.overlap
     )
-    catalog.put({"p3/done": {"jobs": len(jobs)}})
+    if need > config.memory:
+        raise BuildError(
+            f"sorting one shard needs about {need / 2**20:,.0f} MiB, more than --memory "
+            f"{config.memory / 2**20:,.0f} MiB; give a smaller --shard-tokens or more --memory"
+        )
+    return max(1, min(config.workers, config.memory // need))
 
 
-def _numbered_job(i, layout, firsts, ranges):
-    return i, features.features_job(layout, firsts, ranges)
+def _job_rows(layout: Layout, config: BuildConfig) -> int:
+    """Entries per merge job: a quarter of the corpus per worker, at most what the memory
+    budget gives each worker, and at least 4,096."""
+    per_worker = config.memory // (max(config.workers, 1) * features.job_bytes_per_row(layout))
+    return max(min(layout.num_tokens // (4 * max(config.workers, 1)), per_worker), 1 << 12)
 
 
 def _finalize(
@@ -308,13 +365,14 @@ def _finalize(
 ) -> dict:
     """Checksums, verification on a sample, then the manifest (written last, atomically)."""
     out = config.out
-    checksums = verify.shard_checksums(layout, config.progress)
+    checksums, order_checksums = verify.file_checksums(layout, config.progress)
     problems = verify.verify(layout, config.verify_samples)
     if problems:
         raise BuildError("verification failed: " + "; ".join(problems[:3]))
     p1 = catalog.get("p1/done")
     n = layout.num_tokens
     kinds = {kind: sum(c[kind]["bytes"] for c in checksums) for kind in fmt.FILE_KINDS}
+    kinds |= {kind: record["bytes"] for kind, record in order_checksums.items()}
     bytes_per_token = {kind: size / n for kind, size in kinds.items()}
     bytes_per_token["total"] = sum(kinds.values()) / n
     manifest = {
@@ -332,6 +390,11 @@ def _finalize(
         "shards": [
             {"num_tokens": size, "files": checksums[k]} for k, size in enumerate(layout.sizes)
         ],
+        "order": {
+            "width": layout.order_width,
+            "depth": layout.sort_depth,
+            "files": order_checksums,
+        },
         "build": {
             **params,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -343,7 +406,6 @@ def _finalize(
         },
         "bytes_per_token": bytes_per_token,
     }
-    manifest["buckets_sha256"] = fmt.sha256_file(out / fmt.BUCKETS)
     if manifest["tokenizer"] == "bpe":
         manifest["tokenizer_sha256"] = fmt.sha256_file(out / fmt.TOKENIZER)
     fmt.write_atomic(out / fmt.MANIFEST, json.dumps(manifest, indent=1).encode())

@@ -51,6 +51,17 @@ class Layout:
     def elem_bits(self) -> int:
         return 8 * self.sort_dtype.itemsize
 
+    @property
+    def sort_depth(self) -> int:
+        return fmt.sort_depth(self.max_match, self.elem_bits)
+
+    @property
+    def order_width(self) -> int:
+        return fmt.order_width(self.num_tokens)
+
+    def order_path(self, kind: str) -> Path:
+        return fmt.order_file(Path(self.directory), kind)
+
     def shard_start(self, k: int) -> int:
         return k * self.shard_tokens
 

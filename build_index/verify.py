@@ -18,36 +18,46 @@ COMPARE_LIMIT = 4096
 BRUTE_FORCE_WINDOW = 1 << 28  # sampled positions lie in the first 2^28 tokens (memory, time)
 
 
-def shard_checksums(layout: Layout, progress: bool) -> list[dict]:
-    """``{kind: {"bytes", "sha256"}}`` for every shard file (None for a missing one)."""
-    paths = [[layout.path(k, kind) for kind in fmt.FILE_KINDS] for k in range(layout.num_shards)]
-    total = sum(p.stat().st_size for row in paths for p in row if p.exists())
+def file_checksums(layout: Layout, progress: bool) -> tuple[list[dict], dict]:
+    """``{kind: {"bytes", "sha256"}}`` for every shard file (None for a missing one), and the
+    same for the files of the global order."""
+    shards = [
+        {kind: layout.path(k, kind) for kind in fmt.FILE_KINDS} for k in range(layout.num_shards)
+    ]
+    order = {kind: layout.order_path(kind) for kind in fmt.ORDER_KINDS}
+    total = sum(p.stat().st_size for row in [*shards, order] for p in row.values() if p.exists())
     with tqdm(
         total=total, unit="B", unit_scale=True, desc="checksums", disable=not progress
     ) as bar:
-        return [
-            {
+
+        def sums(row: dict[str, Path]) -> dict:
+            return {
                 kind: {"bytes": p.stat().st_size, "sha256": fmt.sha256_file(p, bar)}
                 if p.exists()
                 else None
-                for kind, p in zip(fmt.FILE_KINDS, row)
+                for kind, p in row.items()
             }
-            for row in paths
-        ]
+
+        return [sums(row) for row in shards], sums(order)
 
 
 def check_checksums(layout: Layout, manifest: dict, progress: bool) -> list[str]:
     """Compare the checksum of every file the manifest records one for (all present)."""
     directory = Path(layout.directory)
-    recorded = {fmt.BUCKETS: manifest["buckets_sha256"]}
+    recorded, actual = {}, {}
     if manifest["tokenizer"] == "bpe":
         recorded[fmt.TOKENIZER] = manifest.get("tokenizer_sha256")
-    actual = {name: fmt.sha256_file(directory / name) for name in recorded}
-    for k, files in enumerate(shard_checksums(layout, progress)):
+        actual[fmt.TOKENIZER] = fmt.sha256_file(directory / fmt.TOKENIZER)
+    shards, order = file_checksums(layout, progress)
+    for k, files in enumerate(shards):
         for kind, record in files.items():
             name = layout.path(k, kind).name
             recorded[name] = manifest["shards"][k]["files"][kind]["sha256"]
             actual[name] = record["sha256"]
+    for kind, record in order.items():
+        name = layout.order_path(kind).name
+        recorded[name] = manifest["order"]["files"][kind]["sha256"]
+        actual[name] = record["sha256"]
     return [
         f"{name}: checksum differs from the manifest"
         for name in recorded
@@ -65,36 +75,48 @@ def _context(stream, layout: Layout, offsets: np.ndarray, p: int) -> list[int]:
     return key + [layout.separator] if lo == bound else key
 
 
+def _order(layout: Layout) -> tuple[np.ndarray, int]:
+    """``order.positions`` mapped as bytes, and its entry width."""
+    return np.memmap(layout.order_path("positions"), dtype=np.uint8, mode="r"), layout.order_width
+
+
+def _ranked(raw: np.ndarray, width: int, i: int, count: int = 1) -> np.ndarray:
+    return fmt.positions(np.asarray(raw[i * width : (i + count) * width]), width)
+
+
 def check_sorted(layout: Layout, samples: int, rng: np.random.Generator) -> list[str]:
-    """Sample adjacent pairs of every ``.prefix`` and check their contexts are in order."""
+    """Sample adjacent ranks of the global order and check their keys are in order: the first
+    ``sort_depth`` elements, then the shard, then the whole key."""
     stream, offsets, problems = layout.stream(), layout.offsets(), []
-    for k in range(layout.num_shards):
-        prefix = np.memmap(layout.path(k, "prefix"), dtype=fmt.PREFIX_DTYPE, mode="r")
-        if len(prefix) < 2:
-            continue
-        for i in rng.integers(0, len(prefix) - 1, size=samples):
-            a, b = (layout.shard_start(k) + int(x) for x in prefix[i : i + 2])
-            ka, kb = _context(stream, layout, offsets, a), _context(stream, layout, offsets, b)
-            n = min(len(ka), len(kb))
-            if ka[:n] > kb[:n]:
-                problems.append(f"shard {k}: positions {a} and {b} are out of order at rank {i}")
+    raw, width = _order(layout)
+    depth, n = layout.sort_depth, layout.num_tokens
+    for i in rng.integers(0, n - 1, size=samples if n > 1 else 0):
+        a, b = (int(p) for p in _ranked(raw, width, int(i), 2))
+        ka, kb = _context(stream, layout, offsets, a), _context(stream, layout, offsets, b)
+        shard_a, shard_b = a // layout.shard_tokens, b // layout.shard_tokens
+        m = min(len(ka), len(kb))
+        if ka[:depth] != kb[:depth]:
+            in_order = ka[:depth] < kb[:depth]
+        else:
+            in_order = shard_a < shard_b or (shard_a == shard_b and ka[:m] <= kb[:m])
+        if not in_order:
+            problems.append(f"positions {a} and {b} are out of order at rank {i}")
     return problems
 
 
 def check_follow(layout: Layout, samples: int, rng: np.random.Generator) -> list[str]:
-    """Sample ranks of every ``.follow`` and compare with the token after the ranked position."""
+    """Sample ranks of ``order.follow`` and compare with the token after the ranked position."""
     stream, problems = layout.stream(), []
     bits = km.doc_start_bits(layout.offsets(), layout.num_tokens)
     dtype = fmt.sort_dtype(layout.token_dtype, layout.separator)
-    for k in range(layout.num_shards):
-        prefix = np.memmap(layout.path(k, "prefix"), dtype=fmt.PREFIX_DTYPE, mode="r")
-        follow = np.memmap(layout.path(k, "follow"), dtype=dtype, mode="r")
-        for i in rng.integers(0, len(prefix), size=samples if len(prefix) else 0):
-            p = layout.shard_start(k) + int(prefix[i])
-            ends = p + 1 >= layout.num_tokens or km._is_doc_start(bits, p + 1)
-            expected = layout.separator if ends else int(stream[p + 1 : p + 2][0])
-            if int(follow[i]) != expected:
-                problems.append(f"shard {k}: follower {int(follow[i])} at rank {i}, not {expected}")
+    follow = np.memmap(layout.order_path("follow"), dtype=dtype, mode="r")
+    raw, width = _order(layout)
+    for i in rng.integers(0, len(follow), size=samples if len(follow) else 0):
+        p = int(_ranked(raw, width, int(i))[0])
+        ends = p + 1 >= layout.num_tokens or km._is_doc_start(bits, p + 1)
+        expected = layout.separator if ends else int(stream[p + 1 : p + 2][0])
+        if int(follow[i]) != expected:
+            problems.append(f"order.follow: follower {int(follow[i])} at rank {i}, not {expected}")
     return problems
 
 
@@ -141,18 +163,17 @@ def verify(layout: Layout, samples: int, seed: int = 0) -> list[str]:
 
 
 def check_contents(layout: Layout) -> list[str]:
-    """Document offsets in order, bucket table rows in order, and every ``.prefix`` entry
-    inside its shard: what the query kernels rely on."""
-    directory, offsets = Path(layout.directory), layout.offsets()
-    buckets = np.fromfile(directory / fmt.BUCKETS, dtype=fmt.BUCKET_DTYPE)
-    problems = [
-        fmt.offsets_problem(offsets, layout.num_tokens),
-        fmt.bucket_problem(buckets.reshape(layout.num_shards, -1), list(layout.sizes)),
-    ]
-    for k, size in enumerate(layout.sizes):
-        prefix = np.memmap(layout.path(k, "prefix"), dtype=fmt.PREFIX_DTYPE, mode="r")
-        if prefix.max() >= size:
-            problems.append(f"{layout.path(k, 'prefix').name}: an entry lies outside the shard")
+    """Document offsets in order, the bucket table in order, and every entry of the global order
+    inside the corpus: what the query kernels rely on."""
+    offsets, n = layout.offsets(), layout.num_tokens
+    buckets = np.fromfile(layout.order_path("buckets"), dtype=fmt.BUCKET_DTYPE)
+    problems = [fmt.offsets_problem(offsets, n), fmt.bucket_problem(buckets, n)]
+    raw, width = _order(layout)
+    step = (1 << 22) * width
+    for at in range(0, len(raw), step):
+        if fmt.positions(np.asarray(raw[at : at + step]), width).max() >= n:
+            problems.append("order.positions: an entry lies outside the corpus")
+            break
     return [p for p in problems if p]
 
 
@@ -188,6 +209,6 @@ def verify_index(
     problems = contents + check_catalog(directory, manifest["num_documents"])
     if checksums:
         problems += check_checksums(layout, manifest, progress)
-    if not contents:  # the sampled checks follow .prefix entries and document starts
+    if not contents:  # the sampled checks follow the order's entries and document starts
         problems += verify(layout, samples, seed)
     return problems

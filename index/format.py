@@ -1,30 +1,34 @@
 """The on-disk index format: file names, dtypes and the manifest. Shared by the builder and readers.
 
-Layout of an index directory (format version 3: version 1 had no buckets.u32,
-version 2 no ``.follow`` files):
+Layout of an index directory (format version 4; versions 1-3 kept one sorted order per shard and
+are refused with a request to rebuild):
 
 - ``manifest.json``: written last; its presence marks a complete index.
 - ``tokenizer.json``: HF ``tokenizers`` BPE model (absent for byte-level indexes).
 - ``documents.offsets``: uint64[num_documents + 1], the start of every document in the global
   token stream, then ``num_tokens``.
 - ``shard-XXXXX.tokens``: the shard's tokens (uint8 for bytes, uint16 for BPE).
-- ``shard-XXXXX.prefix``: uint32 positions within the shard, sorted by preceding context (see below).
 - ``shard-XXXXX.match``: ``n`` bytes of match length (bit 7 set when no follower token exists),
   then ``n`` next tokens in the token dtype.
-- ``shard-XXXXX.follow``: in ``.prefix`` order, the token that follows each position in its
-  document, or the separator where none does (sort-key dtype: ``sort_dtype``). The next-token
-  counts of a context are a histogram of one contiguous slice of it.
-- ``shard-XXXXX.keys``: uint64, the first word of the sort key of every ``KEY_SAMPLE``-th rank:
+- ``order.positions``: the global sorted order: every global position once, as ``order_width``
+  -byte little-endian integers (4 bytes below 2^32 tokens, else 5), sorted by key (below).
+- ``order.follow``: in that order, the token that follows each position in its document, or the
+  separator where none does (sort-key dtype: ``sort_dtype``). The next-token counts of a context
+  are a histogram of one contiguous slice of it (or of a few, see below).
+- ``order.keys``: uint64, the first word of the sort key of every ``KEY_SAMPLE``-th rank:
   ``64 / element bits`` key elements, big-endian, cut by the separator, zero after it. Binary
-  searches run over it before they touch ``.prefix``.
+  searches run over it before they touch ``order.positions``.
+- ``order.buckets``: uint64[65537]: where each bucket (the leading 16 bits of the sort key)
+  starts in the order; searches start there.
 - ``catalog.lmdb``: documents (start, length, source) and build progress records.
-- ``buckets.u32``: uint32[num_shards, 65537]: where each bucket (the leading 16 bits of the
-  sort key) starts in each shard's ``.prefix``; queries start their binary searches there.
 
-Sort order of ``.prefix``: position ``t`` is keyed by its reversed context ``x[t], x[t-1], ...``
-back to the start of its document, followed by the separator value ``manifest["separator"]``
-(a value no token takes). A context also ends ``context_overlap`` tokens before the start of its
-shard, so a shard is sorted from its own tokens plus that much of the previous shard.
+Sort key of position ``t``: its reversed context ``x[t], x[t-1], ...`` back to the start of its
+document, followed by the separator value ``manifest["separator"]`` (a value no token takes). A
+context also ends ``context_overlap`` tokens before the start of the shard holding ``t``. The
+global order compares the first ``sort_depth`` key elements; positions whose first ``sort_depth``
+elements agree are ordered by shard, then by their whole keys. So a context of at most
+``sort_depth`` tokens has one contiguous range of occurrences; a longer one has at most one range
+per shard inside the range of its first ``sort_depth`` tokens.
 """
 
 from __future__ import annotations
@@ -38,20 +42,20 @@ from pathlib import Path
 import numpy as np
 
 FORMAT_NAME = "teralm-index"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
 DOCUMENT_OFFSETS = "documents.offsets"
 CATALOG = "catalog.lmdb"
-BUCKETS = "buckets.u32"
-BUCKET_DTYPE = np.dtype("<u4")
+BUCKET_DTYPE = np.dtype("<u8")
 NUM_BUCKETS = 1 << 16
-FILE_KINDS = ("tokens", "prefix", "match", "follow", "keys")
+FILE_KINDS = ("tokens", "match")
+ORDER_KINDS = ("positions", "follow", "keys", "buckets")
 KEY_SAMPLE = 32
 KEY_DTYPE = np.dtype("<u8")
 
-PREFIX_DTYPE = np.dtype("<u4")
+PREFIX_DTYPE = np.dtype("<u4")  # pass 2's per-shard order (a work file of the build)
 OFFSET_DTYPE = np.dtype("<u8")
 MATCH_LEN_DTYPE = np.dtype("u1")
 NO_FOLLOWER_BIT = 0x80
@@ -62,6 +66,21 @@ CONTEXT_OVERLAP = 1 << 16
 def shard_file(directory: Path, shard: int, kind: str) -> Path:
     """Path of one shard file (``kind`` is one of FILE_KINDS)."""
     return Path(directory) / f"shard-{shard:05d}.{kind}"
+
+
+def order_file(directory: Path, kind: str) -> Path:
+    """Path of one file of the global order (``kind`` is one of ORDER_KINDS)."""
+    return Path(directory) / f"order.{kind}"
+
+
+def order_width(num_tokens: int) -> int:
+    """Bytes per entry of ``order.positions``: 4 below 2^32 tokens, else 5."""
+    return 4 if num_tokens <= 1 << 32 else 5
+
+
+def sort_depth(max_match: int, elem_bits: int) -> int:
+    """Key elements the global order compares: the match cap, and at least one key word."""
+    return max(max_match, 64 // elem_bits)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -198,7 +217,7 @@ MANIFEST_FIELDS = {
     "num_documents": int,
     "shard_tokens": int,
     "shards": list,
-    "buckets_sha256": str,
+    "order": dict,
 }
 
 
@@ -206,17 +225,21 @@ def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _shard_entry_ok(shard) -> bool:
-    """A shard's manifest entry has its num_tokens and each file's bytes and sha256."""
-    if not isinstance(shard, dict) or not _is_count(shard.get("num_tokens")):
-        return False
-    files = shard.get("files")
+def _files_ok(files, kinds) -> bool:
+    """A manifest's ``files`` entry has each kind's bytes and sha256."""
     return isinstance(files, dict) and all(
         isinstance(files.get(kind), dict)
         and _is_count(files[kind].get("bytes"))
         and isinstance(files[kind].get("sha256"), str)
-        for kind in FILE_KINDS
+        for kind in kinds
     )
+
+
+def _shard_entry_ok(shard) -> bool:
+    """A shard's manifest entry has its num_tokens and each file's bytes and sha256."""
+    if not isinstance(shard, dict) or not _is_count(shard.get("num_tokens")):
+        return False
+    return _files_ok(shard.get("files"), FILE_KINDS)
 
 
 def manifest_problem(m: dict) -> str | None:
@@ -239,24 +262,43 @@ def manifest_problem(m: dict) -> str | None:
         return f"shard num_tokens are not {full} each (the last at most that)"
     if sum(sizes) != m["num_tokens"]:
         return f"shard num_tokens add up to {sum(sizes)}, not num_tokens {m['num_tokens']}"
-    for k, shard in enumerate(m["shards"]):
-        for kind, size in shard_file_bytes(m, shard["num_tokens"]).items():
-            if shard["files"][kind]["bytes"] != size:
-                name = shard_file(Path(), k, kind).name
-                return f"{name} is recorded as {shard['files'][kind]['bytes']} bytes, not {size}"
+    order = m["order"]
+    if not _files_ok(order.get("files"), ORDER_KINDS):
+        return "the entry of the order lacks a file's bytes and sha256"
+    if order.get("width") != order_width(m["num_tokens"]) or not _is_count(order.get("depth")):
+        return "the order's width or depth is missing or wrong"
+    recorded = {
+        shard_file(Path(), k, kind).name: shard["files"][kind]["bytes"]
+        for k, shard in enumerate(m["shards"])
+        for kind in FILE_KINDS
+    }
+    recorded |= {
+        order_file(Path(), kind).name: order["files"][kind]["bytes"] for kind in ORDER_KINDS
+    }
+    for path, size in reader_files(Path(), m).items():
+        if path.name in recorded and recorded[path.name] != size:
+            return f"{path.name} is recorded as {recorded[path.name]} bytes, not {size}"
     return None
 
 
 def shard_file_bytes(manifest: dict, num_tokens: int) -> dict[str, int]:
     """Size in bytes of each file of a shard of ``num_tokens`` tokens."""
     token_size = np.dtype(manifest["token_dtype"]).itemsize
-    follow_size = sort_dtype(manifest["token_dtype"], manifest["separator"]).itemsize
     return {
         "tokens": num_tokens * token_size,
-        "prefix": num_tokens * PREFIX_DTYPE.itemsize,
         "match": num_tokens * (MATCH_LEN_DTYPE.itemsize + token_size),
-        "follow": num_tokens * follow_size,
-        "keys": -(-num_tokens // KEY_SAMPLE) * KEY_DTYPE.itemsize,
+    }
+
+
+def order_file_bytes(manifest: dict) -> dict[str, int]:
+    """Size in bytes of each file of the global order."""
+    n = manifest["num_tokens"]
+    follow_size = sort_dtype(manifest["token_dtype"], manifest["separator"]).itemsize
+    return {
+        "positions": n * order_width(n),
+        "follow": n * follow_size,
+        "keys": -(-n // KEY_SAMPLE) * KEY_DTYPE.itemsize,
+        "buckets": (NUM_BUCKETS + 1) * BUCKET_DTYPE.itemsize,
     }
 
 
@@ -265,9 +307,10 @@ def reader_files(directory: Path, manifest: dict) -> dict[Path, int | None]:
     directory = Path(directory)
     files: dict[Path, int | None] = {
         directory / DOCUMENT_OFFSETS: (manifest["num_documents"] + 1) * OFFSET_DTYPE.itemsize,
-        directory / BUCKETS: len(manifest["shards"]) * (NUM_BUCKETS + 1) * BUCKET_DTYPE.itemsize,
         directory / CATALOG / "data.mdb": None,
     }
+    for kind, size in order_file_bytes(manifest).items():
+        files[order_file(directory, kind)] = size
     if manifest["tokenizer"] == "bpe":
         files[directory / TOKENIZER] = None
     for k, shard in enumerate(manifest["shards"]):
@@ -296,12 +339,17 @@ def offsets_problem(offsets: np.ndarray, num_tokens: int) -> str | None:
     return None
 
 
-def bucket_problem(buckets: np.ndarray, sizes: list[int]) -> str | None:
-    """What is wrong with the bucket table (shard ``k``'s row rises from 0 to ``sizes[k]``), or None."""
-    if (
-        (buckets[:, 0] != 0).any()
-        or (buckets[:, -1] != np.asarray(sizes)).any()
-        or (buckets[:, 1:] < buckets[:, :-1]).any()
-    ):
-        return f"{BUCKETS}: a shard's bucket starts are out of order or beyond the shard"
+def bucket_problem(buckets: np.ndarray, num_tokens: int) -> str | None:
+    """What is wrong with the bucket table (it rises from 0 to ``num_tokens``), or None."""
+    if buckets[0] != 0 or buckets[-1] != num_tokens or (buckets[1:] < buckets[:-1]).any():
+        return f"{order_file(Path(), 'buckets').name}: the bucket starts are out of order"
     return None
+
+
+def positions(raw: np.ndarray, width: int) -> np.ndarray:
+    """Entries of ``order.positions`` (its bytes ``raw``, a whole number of entries) as int64."""
+    if width == 4:
+        return raw.view("<u4").astype(np.int64)
+    padded = np.zeros((len(raw) // width, 8), dtype=np.uint8)
+    padded[:, :width] = raw.reshape(-1, width)
+    return padded.view("<u8").reshape(-1).astype(np.int64)

@@ -1,11 +1,12 @@
 """The query engine: longest match, next-token distribution (the ∞-gram), attribution, and the
 online matcher that gives new text the same features the corpus has in training.
 
-All searches run over the shards' ``.prefix`` files (positions sorted by reversed context). The
-occurrences of a context's suffix form one rank range per shard, found by one binary search for
-the context's insertion point and a gallop outwards (see teralm.kernels.query); the tokens that
-follow them are slices of the ``.follow`` files. A batch is one compiled call. Exact results do not
-depend on how the corpus was sharded.
+All searches run over the global order (``order.positions``: positions sorted by reversed
+context). The occurrences of a context's suffix form one rank range, found by one binary search
+for the context's insertion point and a gallop outwards (see teralm.kernels.query); a suffix
+longer than the order's depth has at most one range per shard. The tokens that follow them are
+slices of ``order.follow``. A batch is one compiled call. Exact results do not depend on how the
+corpus was sharded.
 """
 
 from __future__ import annotations
@@ -29,12 +30,13 @@ SNIPPET = 60
 @dataclass
 class MatchResult:
     """Per context: ``length`` of the longest suffix that occurs followed by at least one more
-    token of its document, ``count`` of all its occurrences, and ``ranges[c, shard]``: the
-    ``(lo, hi)`` rank range of those occurrences in each shard's ``.prefix``."""
+    token of its document, ``count`` of all its occurrences, and ``ranges[c]``: the ``(lo, hi)``
+    rank ranges of those occurrences in the global order (one, or one per shard for a suffix
+    longer than the order's depth)."""
 
     length: np.ndarray
     count: np.ndarray
-    ranges: np.ndarray
+    ranges: list[np.ndarray]
 
 
 @dataclass
@@ -76,32 +78,30 @@ class QueryEngine:
 
     def __init__(self, index: Index):
         self.index = index
-        self.separator = index.manifest["separator"]
-        overlap = index.manifest["context_overlap"]
+        m = index.manifest
+        self.separator = m["separator"]
         stream = index.stream
         follow_dtype = fmt.sort_dtype(stream.dtype, self.separator)
-        shards = []
-        for k, size in enumerate(stream.sizes):
-            start = k * stream.shard_tokens
-            lowest = max(0, start - overlap)
-            shards.append(
-                (
-                    _read_only(stream.shard(k)),
-                    _read_only(stream[lowest:start]),
-                    _map(index.directory, k, "prefix", fmt.PREFIX_DTYPE, size),
-                    _map(index.directory, k, "follow", follow_dtype, size),
-                    _map(index.directory, k, "keys", fmt.KEY_DTYPE, size),
-                    start,
-                    lowest,
-                )
-            )
-        self.shards = tuple(shards)
-        # for the kernels: addresses of the arrays in self.shards, which keeps them alive
-        self._kernel_shards = kq.shard_table(self.shards)
+        self._tokens = [_read_only(stream.shard(k)) for k in range(len(stream.sizes))]
+        order = m["order"]
+        self.positions = _map(index.directory, "positions", np.uint8)
+        self.follow = _map(index.directory, "follow", follow_dtype)
+        self.buckets = _map(index.directory, "buckets", fmt.BUCKET_DTYPE)
+        self._check(fmt.bucket_problem(self.buckets, index.num_tokens))
+        # for the kernels; self._tokens keeps the arrays behind the table alive
+        self.corpus = (
+            kq.shard_table(self._tokens),
+            np.empty(0, stream.dtype),
+            stream.shard_tokens,
+            m["context_overlap"],
+            self.positions,
+            order["width"],
+            self.follow,
+            _map(index.directory, "keys", fmt.KEY_DTYPE),
+            self.buckets,
+            order["depth"],
+        )
         self._thread_local = threading.local()
-        buckets = np.memmap(index.directory / fmt.BUCKETS, dtype=fmt.BUCKET_DTYPE, mode="r")
-        self.buckets = np.asarray(buckets).reshape(len(shards), fmt.NUM_BUCKETS + 1)
-        self._check(fmt.bucket_problem(self.buckets, stream.sizes))
         self.elem_bits = 8 * follow_dtype.itemsize
 
     @cached_property
@@ -154,10 +154,9 @@ class QueryEngine:
             starts = np.arange(len(contexts) + 1, dtype=np.int64) * contexts.shape[1]
         else:
             flat, starts = _flatten(contexts)
-        summary, ranges, offsets, rows, bad = self._run(
+        summary, ranges, range_offsets, offsets, rows, bad = self._run(
             kq.lookup,
-            self._kernel_shards,
-            self.buckets,
+            self.corpus,
             self.elem_bits,
             fmt.KEY_SAMPLE,
             self.pairs,
@@ -175,7 +174,8 @@ class QueryEngine:
         if bad >= 0:
             vocab = self.index.vocab_size
             raise ValueError(f"token {int(flat[bad])} is outside the vocabulary 0..{vocab - 1}")
-        return summary, ranges, offsets, rows
+        per_context = [ranges[a:b] for a, b in zip(range_offsets[:-1], range_offsets[1:])]
+        return summary, per_context, offsets, rows
 
     def causal_counts(self, contexts, limits, targets, exact_limit: int = EXACT_LIMIT):
         """Per context, ``(length, total, hits)`` of the ∞-gram of position ``limits[c]`` seeing
@@ -184,8 +184,7 @@ class QueryEngine:
         flat, starts = _flatten(contexts)
         return self._run(
             kq.causal_counts,
-            self._kernel_shards,
-            self.buckets,
+            self.corpus,
             self.elem_bits,
             fmt.KEY_SAMPLE,
             self.doc_bits,
@@ -265,15 +264,16 @@ class QueryEngine:
         return Lookup(length, int(summary[0, 1]), rows[:, 0], rows[:, 1], documents)
 
     def _documents(self, length: int, ranges: np.ndarray, k: int) -> list[dict]:
-        """Up to ``k`` documents among the occurrences in ``ranges`` (per shard) of a match of
-        ``length`` tokens, with a snippet around it."""
+        """Up to ``k`` documents among the occurrences in ``ranges`` (rank ranges of the order)
+        of a match of ``length`` tokens, with a snippet around it."""
         ix = self.index
+        width = self.corpus[5]
         hits, seen = [], set()
-        for (tokens, _, prefix, _, _, start, _), (lo, hi) in zip(self.shards, ranges):
-            for i in range(lo, min(hi, lo + 64 * k)):
-                if prefix[i] >= len(tokens):
-                    self._check(kq.PREFIX_OUT_OF_RANGE)
-                end = start + int(prefix[i])
+        for lo, hi in ranges.tolist():
+            last = min(hi, lo + 64 * k)
+            for end in fmt.positions(self.positions[lo * width : last * width], width).tolist():
+                if end >= ix.num_tokens:
+                    self._check(kq.ORDER_OUT_OF_RANGE)
                 doc = int(np.searchsorted(ix.offsets, end, side="right")) - 1
                 if doc in seen or len(hits) >= k:
                     continue
@@ -300,12 +300,13 @@ def _flatten(contexts) -> tuple[np.ndarray, np.ndarray]:
     return (np.concatenate(parts) if parts else np.empty(0, np.int64)), starts
 
 
-def _map(directory, k: int, kind: str, dtype, size: int) -> np.ndarray:
-    """Read-only mmap of a shard file as a plain ndarray (numba takes those faster than
+def _map(directory, kind: str, dtype) -> np.ndarray:
+    """Read-only mmap of a file of the order as a plain ndarray (numba takes those faster than
     np.memmap objects)."""
-    if size == 0:
+    path = fmt.order_file(directory, kind)
+    if path.stat().st_size == 0:
         return _read_only(np.empty(0, dtype))
-    return np.asarray(np.memmap(fmt.shard_file(directory, k, kind), dtype=dtype, mode="r"))
+    return np.asarray(np.memmap(path, dtype=dtype, mode="r"))
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:

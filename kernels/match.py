@@ -19,7 +19,6 @@ import numpy as np
 from numba import njit
 
 INF = np.iinfo(np.int64).max
-PREFETCH = 32
 
 
 def key_words(cap: int, elem_bits: int) -> int:
@@ -54,84 +53,6 @@ def _doc_depth(bits, p, cap):
     while d < cap and not _is_doc_start(bits, p - d + 1):
         d += 1
     return d
-
-
-@njit(cache=True, inline="always")
-def _load64(words, b):
-    """Little-endian uint64 at byte offset ``b`` of the buffer viewed as ``words``."""
-    i, r = b >> 3, b & 7
-    if r == 0:
-        return words[i]
-    return (words[i] >> np.uint64(8 * r)) | (words[i + 1] << np.uint64(64 - 8 * r))
-
-
-@njit(cache=True)
-def gather_keys(
-    tokens,
-    words,
-    tail,
-    nxt,
-    shard_start,
-    local,
-    doc_bits,
-    n_total,
-    cap,
-    separator,
-    elem_bits,
-    keys,
-    depth,
-    follower,
-):
-    """Keys of the shard positions ``local`` (sorted order) into ``keys``.
-
-    ``words`` is the shard's bytes viewed as uint64 when tokens are ``elem_bits`` wide (then a
-    key word is one unaligned little-endian load), else empty. ``tail`` holds the tokens just
-    before the shard, ``nxt`` the first token after it. ``depth[i]`` is the number of real
-    tokens in key ``i``; ``follower[i]`` the token after the position in its document, or -1.
-    """
-    per_word = 64 // elem_bits
-    width = keys.shape[1]
-    itemsize = elem_bits // 8
-    span = width * per_word
-    limit = len(words) * 8
-    ones = ~np.uint64(0)
-    n = len(tokens)
-    touched = 0
-    for i in range(len(local)):
-        if i % PREFETCH == 0:
-            # touch the next rows' memory first: independent loads overlap their cache misses
-            for j in range(i, min(i + PREFETCH, len(local))):
-                qj = np.int64(local[j])
-                touched += (
-                    tokens[qj] + tokens[max(qj - span, 0)] + doc_bits[(shard_start + qj) >> 6]
-                )
-        q = np.int64(local[i])
-        p = shard_start + q
-        d = _doc_depth(doc_bits, p, cap)
-        if q >= span and (q + 1) * itemsize + 8 <= limit:
-            for w in range(width):
-                kept = min(max(d - w * per_word, 0), per_word)
-                word = _load64(words, (q - w * per_word - per_word + 1) * itemsize)
-                if kept == 0:
-                    word = np.uint64(0)
-                elif kept < per_word:
-                    word &= ones << np.uint64(64 - kept * elem_bits)
-                keys[i, w] = word
-        else:
-            for w in range(width):
-                keys[i, w] = 0
-            for j in range(d):
-                tok = tokens[q - j] if q - j >= 0 else tail[len(tail) + q - j]
-                shift = (per_word - 1 - j % per_word) * elem_bits
-                keys[i, j // per_word] |= np.uint64(tok) << np.uint64(shift)
-        if d < cap:
-            shift = (per_word - 1 - d % per_word) * elem_bits
-            keys[i, d // per_word] |= np.uint64(separator) << np.uint64(shift)
-        depth[i] = d
-        follower[i] = -1
-        if p + 1 < n_total and not _is_doc_start(doc_bits, p + 1):
-            follower[i] = tokens[q + 1] if q + 1 < n else nxt[0]
-    return touched
 
 
 @njit(cache=True, inline="always")
@@ -277,10 +198,12 @@ def sweep_features(pos, follower, lcp, cap):
 
 
 @njit(cache=True)
-def first_occurrences(tokens, nxt, start, doc_bits, n_total, first, first_f, first_tok):
+def first_occurrences(tokens, nxt, start, local_bits, first, first_f, first_tok):
     """Update, per token value, its first position and first position with a follower.
 
-    Shards must be visited in order; ``nxt`` holds the first token of the next shard (if any).
+    Shards must be visited in order; ``nxt`` holds the first token of the next shard (if any),
+    ``local_bits`` the document starts of the shard and of the position after it, counted from
+    the shard's start (``start``).
     """
     n = len(tokens)
     for q in range(n):
@@ -288,7 +211,7 @@ def first_occurrences(tokens, nxt, start, doc_bits, n_total, first, first_f, fir
         v = tokens[q]
         if first[v] == INF:
             first[v] = p
-        if first_f[v] == INF and p + 1 < n_total and not _is_doc_start(doc_bits, p + 1):
+        if first_f[v] == INF and not _is_doc_start(local_bits, q + 1):
             first_f[v] = p
             first_tok[v] = tokens[q + 1] if q + 1 < n else nxt[0]
 
@@ -314,22 +237,6 @@ def brute_force_at(x, doc_bits, t, cap, valid):
         if s + 1 < len(x) and not _is_doc_start(doc_bits, s + 1):
             valid[x[s + 1]] = True
     return best
-
-
-@njit(cache=True)
-def bucket_histogram(tokens, tail, shard_start, doc_bits, separator, elem_bits, hist):
-    """Count the shard's positions by bucket (the leading 16 bits of their key)."""
-    for q in range(len(tokens)):
-        p = shard_start + q
-        if elem_bits == 16:
-            hist[tokens[q]] += 1
-        else:
-            if _is_doc_start(doc_bits, p):
-                second = separator
-            else:
-                second = tokens[q - 1] if q >= 1 else tail[len(tail) - 1]
-            hist[(np.int64(tokens[q]) << 8) | second] += 1
-    return hist
 
 
 def doc_start_bits(offsets: np.ndarray, n_total: int) -> np.ndarray:
@@ -369,3 +276,28 @@ def brute_force_features(tokens: np.ndarray, doc_ids: np.ndarray, cap: int):
         lengths[t] = best
         valid_next.append(nexts)
     return lengths, valid_next
+
+
+@njit(cache=True)
+def decode_run(lcp, depth, elements, separator, elem_bits, cap, keys):
+    """Keys of front-coded entries (``kernels.sort.encode_run``'s ``lcp``, ``depth`` and
+    ``elements``, starting at a bucket's first entry) into rows of ``keys``: the real elements,
+    then the separator when there are fewer than ``cap``; returns the elements used."""
+    per_word = 64 // elem_bits
+    current = np.zeros(keys.shape[1] * per_word, dtype=np.int64)
+    e = 0
+    for r in range(len(lcp)):
+        d = np.int64(depth[r])
+        for j in range(np.int64(lcp[r]), d):
+            current[j] = elements[e]
+            e += 1
+        for w in range(keys.shape[1]):
+            word = np.uint64(0)
+            for j in range(w * per_word, (w + 1) * per_word):
+                word <<= np.uint64(elem_bits)
+                if j < d:
+                    word |= np.uint64(current[j])
+                elif j == d and d < cap:
+                    word |= np.uint64(separator)
+            keys[r, w] = word
+    return e

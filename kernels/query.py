@@ -1,12 +1,18 @@
-"""Query kernels: search a shard's ``.prefix`` order (positions sorted by reversed context).
+"""Query kernels: search the global sorted order (positions sorted by reversed context).
 
 Key element ``j`` of position ``p`` is ``x[p-j]`` while that lies inside the document and no more
-than ``overlap`` tokens before the shard, then the separator. A query (a context read backwards)
-is looked up by one binary search for its insertion point (first over the bucket table and the
-sampled key words of ``.keys``, then over ``.prefix`` itself); the entries sharing most elements
-with it sit next to that point, and those sharing ``l`` elements form a block around it: a
-bucket when ``l`` elements fit in the bucket's 16 bits, else found by galloping outwards. The
-tokens that follow a block are one contiguous slice of ``.follow``.
+than ``overlap`` tokens before ``p``'s shard, then the separator. The order compares the first
+``depth`` elements, then the shard, then the whole key. A query (a context read backwards) of at
+most ``depth`` tokens is looked up by one binary search for its insertion point (first over the
+bucket table and the sampled key words of ``order.keys``, then over ``order.positions``); the
+entries sharing most elements with it sit next to that point, and those sharing ``l`` elements
+form a block around it: a bucket when ``l`` elements fit in the bucket's 16 bits, else found by
+galloping outwards. The tokens that follow a block are one contiguous slice of ``order.follow``.
+A longer query whose first ``depth`` tokens occur continues inside their block, where each shard's
+entries are contiguous and sorted by whole key: one more search per shard that holds them.
+
+The kernels take the index as ``corpus``: (token table of ``shard_table``, a zero-length array
+of the token dtype, shard_tokens, overlap, order bytes, order width, follow, keys, buckets, depth).
 """
 
 from __future__ import annotations
@@ -19,28 +25,82 @@ from teralm.index.format import IndexDamaged
 from teralm.kernels.match import _doc_depth
 
 # what the kernels raise IndexDamaged with, for a value they cannot use (checked where read)
-PREFIX_OUT_OF_RANGE = "a .prefix entry lies outside its shard"
-FOLLOW_OUT_OF_RANGE = "a .follow entry lies outside the vocabulary"
+ORDER_OUT_OF_RANGE = "an order.positions entry lies outside the corpus"
+FOLLOW_OUT_OF_RANGE = "an order.follow entry lies outside the vocabulary"
+
+
+@intrinsic
+def _pointer(typingctx, address):
+    """The integer ``address`` as a raw pointer."""
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(types.voidptr))
+
+    return types.voidptr(types.int64), codegen
+
+
+def shard_table(arrays: list[np.ndarray]) -> np.ndarray:
+    """The shards' token arrays as the kernels take them, whatever their number: an int64 table
+    with one row per shard (address, length). The caller keeps the arrays alive while the table
+    is in use; they must be one-dimensional, C-contiguous and of one dtype."""
+    if not arrays:
+        raise ValueError("an index without shards has nothing to search")
+    if not all(a.ndim == 1 and a.flags.c_contiguous and a.dtype == arrays[0].dtype for a in arrays):
+        raise ValueError("shard arrays must be one-dimensional, C-contiguous and of one dtype")
+    return np.array([(a.ctypes.data, len(a)) for a in arrays], dtype=np.int64)
 
 
 @njit(cache=True, inline="always")
-def _common(shard, doc_bits, separator, i, ctx, end, limit):
+def _shard_tokens(corpus, k):
+    row = corpus[0][k]
+    return carray(_pointer(row[0]), row[1], corpus[1].dtype)
+
+
+@njit(cache=True, inline="always")
+def _position(corpus, i):
+    """The corpus position at rank ``i`` of the order."""
+    order, width = corpus[4], corpus[5]
+    b = i * width
+    p = (
+        np.int64(order[b])
+        | (np.int64(order[b + 1]) << 8)
+        | (np.int64(order[b + 2]) << 16)
+        | (np.int64(order[b + 3]) << 24)
+    )
+    if width == 5:
+        p |= np.int64(order[b + 4]) << 32
+    return p
+
+
+@njit(cache=True, inline="always")
+def _size(corpus):
+    return len(corpus[4]) // corpus[5]
+
+
+@njit(cache=True, inline="always")
+def _common(corpus, doc_bits, separator, n_total, i, ctx, end, limit):
     """(common prefix length with the query, and whether the query sorts before the entry's key)
     for the entry at rank ``i``. The query is ``ctx[end-limit:end]`` read backwards (the reversed
-    context); a query that is a prefix of the key sorts first. ``shard`` is (tokens, tail,
-    prefix, follow, keys, start, lowest)."""
-    tokens, tail, prefix, _, _, start, lowest = shard
-    q = np.int64(prefix[i])
-    if q >= len(tokens):
-        raise IndexDamaged(PREFIX_OUT_OF_RANGE)
-    p = start + q
+    context); a query that is a prefix of the key sorts first."""
+    p = _position(corpus, i)
+    if p >= n_total:
+        raise IndexDamaged(ORDER_OUT_OF_RANGE)
+    shard_tokens = corpus[2]
+    k = p // shard_tokens
+    base = k * shard_tokens
+    lowest = max(0, base - corpus[3])
     real = min(_doc_depth(doc_bits, p, max(limit, 1)), p - lowest + 1)
+    tokens = _shard_tokens(corpus, k)
     for j in range(limit):
         v = ctx[end - 1 - j]
         if j >= real:
             return j, v < separator
-        k = q - j
-        e = np.int64(tokens[k]) if k >= 0 else np.int64(tail[len(tail) + k])
+        q = p - j
+        while q < base:
+            k -= 1
+            base -= shard_tokens
+            tokens = _shard_tokens(corpus, k)
+        e = np.int64(tokens[q - base])
         if e != v:
             return j, v < e
     return limit, True
@@ -71,20 +131,38 @@ def _bucket(buckets, elem_bits, ctx, end, m):
     return word, np.int64(buckets[lead]), np.int64(buckets[lead + width])
 
 
+@njit(cache=True, inline="always")
+def _search(corpus, doc_bits, separator, n_total, lo, hi, ctx, end, m):
+    """Binary search of ranks ``[lo, hi)`` for the query's insertion point: (length of the
+    longest common prefix there, the insertion rank, and the common prefix lengths of the ranks
+    at and before it, -1 where there is none)."""
+    a, b = lo, hi
+    while a < b:  # first rank whose key is >= the query
+        mid = (a + b) >> 1
+        _, before = _common(corpus, doc_bits, separator, n_total, mid, ctx, end, m)
+        if before:
+            b = mid
+        else:
+            a = mid + 1
+    right = _common(corpus, doc_bits, separator, n_total, a, ctx, end, m)[0] if a < hi else -1
+    left = _common(corpus, doc_bits, separator, n_total, a - 1, ctx, end, m)[0] if a > lo else -1
+    return max(left, right, 0), a, right, left
+
+
 @njit(cache=True, nogil=True)
-def _shard_range(shard, doc_bits, separator, buckets, elem_bits, sample, ctx, end, m):
-    """Longest match of the reversed query in this shard: (length, insertion rank, and the
-    common prefix lengths of the ranks at and before it, -1 where there is none).
+def _global_search(corpus, doc_bits, separator, n_total, elem_bits, sample, ctx, end, m):
+    """The query's longest match over the whole order (at most ``m`` elements, ``m`` at most
+    the order's depth), as ``_search`` returns it.
 
     The search starts inside the query's bucket (its leading 16 bits: ``buckets[b]`` is where
-    bucket ``b`` starts in ``.prefix``), narrows it on the sampled first key words (``.keys``,
-    one per ``sample`` ranks; one memory access per step), then binary searches the ranks left.
+    bucket ``b`` starts), narrows it on the sampled first key words (``order.keys``, one per
+    ``sample`` ranks; one memory access per step), then binary searches the ranks left.
     """
-    n = len(shard[2])
+    n = _size(corpus)
     if n == 0 or m == 0:
         return 0, 0, -1, -1
-    word, a, b = _bucket(buckets, elem_bits, ctx, end, m)
-    keys = shard[4]
+    word, a, b = _bucket(corpus[8], elem_bits, ctx, end, m)
+    keys = corpus[7]
     lo, hi = (a + sample - 1) // sample, (b + sample - 1) // sample  # samples in [a, b)
     s0, s1 = lo, hi
     while s0 < s1:  # first sample whose word is >= the query's
@@ -104,29 +182,25 @@ def _shard_range(shard, doc_bits, separator, buckets, elem_bits, sample, ctx, en
             s1 = mid
     if s0 < hi:
         b = s0 * sample
-    while a < b:  # first rank whose key is >= the query
-        mid = (a + b) >> 1
-        _, before = _common(shard, doc_bits, separator, mid, ctx, end, m)
-        if before:
-            b = mid
-        else:
-            a = mid + 1
-    right = _common(shard, doc_bits, separator, a, ctx, end, m)[0] if a < n else -1
-    left = _common(shard, doc_bits, separator, a - 1, ctx, end, m)[0] if a > 0 else -1
-    return max(left, right, 0), a, right, left
+    _, at, _, _ = _search(corpus, doc_bits, separator, n_total, a, b, ctx, end, m)
+    right = _common(corpus, doc_bits, separator, n_total, at, ctx, end, m)[0] if at < n else -1
+    left = _common(corpus, doc_bits, separator, n_total, at - 1, ctx, end, m)[0] if at > 0 else -1
+    return max(left, right, 0), at, right, left
 
 
 @njit(cache=True, nogil=True)
-def _expand(shard, doc_bits, separator, buckets, elem_bits, ctx, end, length, found):
-    """All ranks sharing ``length`` elements with the query, around its insertion point
-    (``found`` is what ``_shard_range`` returned; the caller knows that block is not empty):
-    a bucket when ``length`` elements fit in its 16 bits, else gallop outwards, then binary
-    search."""
-    n = len(shard[2])
+def _expand(
+    corpus, doc_bits, separator, n_total, elem_bits, lo_bound, hi_bound, ctx, end, length, found
+):
+    """All ranks of ``[lo_bound, hi_bound)`` sharing ``length`` elements with the query, around
+    its insertion point (``found`` is what ``_search`` returned there; the caller knows that
+    block is not empty): a bucket when ``length`` elements fit in its 16 bits and the bounds are
+    the whole order, else gallop outwards, then binary search."""
     if length == 0:
-        return 0, n
-    if length * elem_bits <= 16:
-        _, lo, hi = _bucket(buckets, elem_bits, ctx, end, length)
+        return lo_bound, hi_bound
+    whole = lo_bound == 0 and hi_bound == _size(corpus)
+    if whole and length * elem_bits <= 16:
+        _, lo, hi = _bucket(corpus[8], elem_bits, ctx, end, length)
         return lo, hi
     at, right, left = found[1], found[2], found[3]
 
@@ -135,14 +209,14 @@ def _expand(shard, doc_bits, separator, buckets, elem_bits, ctx, end, length, fo
             return right >= length
         if i == at - 1:
             return left >= length
-        return _common(shard, doc_bits, separator, i, ctx, end, length)[0] == length
+        return _common(corpus, doc_bits, separator, n_total, i, ctx, end, length)[0] == length
 
-    k = at if at < n and shares(at) else at - 1
+    k = at if at < hi_bound and shares(at) else at - 1
     lo, step = k, 1
-    while lo - step >= 0 and shares(lo - step):
+    while lo - step >= lo_bound and shares(lo - step):
         lo -= step
         step *= 2
-    a = max(lo - step + 1, 0)
+    a = max(lo - step + 1, lo_bound)
     while a < lo:
         mid = (a + lo) >> 1
         if shares(mid):
@@ -150,10 +224,10 @@ def _expand(shard, doc_bits, separator, buckets, elem_bits, ctx, end, length, fo
         else:
             a = mid + 1
     hi, step = k + 1, 1
-    while hi + step - 1 < n and shares(hi + step - 1):
+    while hi + step - 1 < hi_bound and shares(hi + step - 1):
         hi += step
         step *= 2
-    b = min(hi + step - 1, n)
+    b = min(hi + step - 1, hi_bound)
     while hi < b:
         mid = (hi + b) >> 1
         if shares(mid):
@@ -163,11 +237,96 @@ def _expand(shard, doc_bits, separator, buckets, elem_bits, ctx, end, length, fo
     return lo, hi
 
 
-def pair_counts(shard_buckets: np.ndarray) -> np.ndarray:
+@njit(cache=True, nogil=True)
+def _shard_end(corpus, n_total, i, hi):
+    """The first rank of ``[i, hi)`` whose position lies in a later shard than rank ``i``'s (the
+    block's shards rise)."""
+    shard_tokens = corpus[2]
+    k = _position(corpus, i) // shard_tokens
+    a, b = i + 1, hi
+    while a < b:
+        mid = (a + b) >> 1
+        p = _position(corpus, mid)
+        if p >= n_total:
+            raise IndexDamaged(ORDER_OUT_OF_RANGE)
+        if p // shard_tokens > k:
+            b = mid
+        else:
+            a = mid + 1
+    return a
+
+
+@njit(cache=True, nogil=True)
+def _match(corpus, doc_bits, separator, n_total, elem_bits, sample, ctx, end, m, parts):
+    """Search for the query (its last ``m`` tokens): the longest match length, and the ranges
+    to search at each length, in ``parts`` (rows ``lo, hi, length, at, right, left``; grown
+    when needed). Row 0 is the whole order, searched for the first ``depth`` tokens; when the
+    query is longer and its first ``depth`` tokens occur, the rows after it are that block's
+    runs of one shard each, searched for the whole query. Returns (length, rows, parts)."""
+    depth = corpus[9]
+    n = _size(corpus)
+    found = _global_search(
+        corpus, doc_bits, separator, n_total, elem_bits, sample, ctx, end, min(m, depth)
+    )
+    parts[0, 0], parts[0, 1] = 0, n
+    parts[0, 2:] = found
+    if m <= depth or found[0] < depth:
+        return found[0], 1, parts
+    lo, hi = _expand(corpus, doc_bits, separator, n_total, elem_bits, 0, n, ctx, end, depth, found)
+    rows, best = 1, depth
+    i = lo
+    while i < hi:
+        j = _shard_end(corpus, n_total, i, hi)
+        if rows == len(parts):
+            grown = np.empty((2 * rows, 6), dtype=np.int64)
+            grown[:rows] = parts
+            parts = grown
+        parts[rows, 0], parts[rows, 1] = i, j
+        parts[rows, 2:] = _search(corpus, doc_bits, separator, n_total, i, j, ctx, end, m)
+        best = max(best, parts[rows, 2])
+        rows += 1
+        i = j
+    return best, rows, parts
+
+
+@njit(cache=True, nogil=True)
+def _ranges_at(corpus, doc_bits, separator, n_total, elem_bits, ctx, end, length, parts, rows, out):
+    """The rank ranges of the occurrences of the query's last ``length`` tokens (at most its
+    match length) into ``out`` (grown when needed); returns (count, out)."""
+    depth = corpus[9]
+    count = 0
+    first = 0 if length <= depth else 1
+    last = 1 if length <= depth else rows
+    for r in range(first, last):
+        if parts[r, 2] < length:
+            continue
+        lo, hi = _expand(
+            corpus,
+            doc_bits,
+            separator,
+            n_total,
+            elem_bits,
+            parts[r, 0],
+            parts[r, 1],
+            ctx,
+            end,
+            length,
+            parts[r, 2:],
+        )
+        if count == len(out):
+            grown = np.empty((2 * count, 2), dtype=np.int64)
+            grown[:count] = out
+            out = grown
+        out[count, 0], out[count, 1] = lo, hi
+        count += 1
+    return count, out
+
+
+def pair_counts(buckets: np.ndarray) -> np.ndarray:
     """``pairs[a]``: the bytes that follow byte ``a`` inside a document as rows ``(byte, count)``,
-    most frequent first (ties by byte), then rows of count 0; from the bucket tables of a
+    most frequent first (ties by byte), then rows of count 0; from the bucket table of a
     byte-keyed index (bucket ``(f, a)`` holds the keys starting ``f, a``)."""
-    sizes = np.diff(shard_buckets.astype(np.int64), axis=1).sum(axis=0)
+    sizes = np.diff(buckets.astype(np.int64))
     counts = sizes.reshape(256, 256).T  # counts[a, f]
     order = np.argsort(-counts, axis=1, kind="stable")
     return np.ascontiguousarray(np.stack([order, np.take_along_axis(counts, order, 1)], axis=-1))
@@ -183,54 +342,9 @@ def _room(rows, size):
     return grown
 
 
-def shard_table(shards) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
-    """The shards as the kernels take them, whatever their number, at the cost of two arrays:
-    an int64 table with one row per shard (address and length of tokens, tail, prefix, follow
-    and keys, then start and lowest) and a zero-length array of each of those five arrays'
-    dtype. ``shards[k]`` is (tokens, tail, prefix, follow, keys, start, lowest) of C-contiguous
-    arrays, which the caller must keep alive while the table is in use."""
-    if not shards:
-        raise ValueError("an index without shards has nothing to search")
-    rows, dtypes = [], [a.dtype for a in shards[0][:5]]
-    for shard in shards:
-        arrays = shard[:5]
-        if not all(a.ndim == 1 and a.flags.c_contiguous for a in arrays):
-            raise ValueError("shard arrays must be one-dimensional and C-contiguous")
-        if [a.dtype for a in arrays] != dtypes:
-            raise ValueError("all shards must have arrays of the same dtypes")
-        rows.append([v for a in arrays for v in (a.ctypes.data, len(a))] + list(shard[5:]))
-    return np.array(rows, dtype=np.int64), tuple(np.empty(0, a.dtype) for a in shards[0][:5])
-
-
-@intrinsic
-def _pointer(typingctx, address):
-    """The integer ``address`` as a raw pointer."""
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], context.get_value_type(types.voidptr))
-
-    return types.voidptr(types.int64), codegen
-
-
-@njit(cache=True, inline="always")
-def _shard(shards, k):
-    """Shard ``k`` of a ``shard_table`` as (tokens, tail, prefix, follow, keys, start, lowest)."""
-    row, (tokens, tail, prefix, follow, keys) = shards[0][k], shards[1]
-    return (
-        carray(_pointer(row[0]), row[1], tokens.dtype),
-        carray(_pointer(row[2]), row[3], tail.dtype),
-        carray(_pointer(row[4]), row[5], prefix.dtype),
-        carray(_pointer(row[6]), row[7], follow.dtype),
-        carray(_pointer(row[8]), row[9], keys.dtype),
-        row[10],
-        row[11],
-    )
-
-
 @njit(cache=True, nogil=True)
 def lookup(
-    shards,
-    shard_buckets,
+    corpus,
     elem_bits,
     sample,
     pairs,
@@ -247,77 +361,65 @@ def lookup(
 ):
     """Longest match, its occurrences and next-token counts for a batch of contexts
     (``ctx[ctx_starts[c]:ctx_starts[c+1]]``; only the part after a separator value can match).
-    ``shards`` is a ``shard_table``.
 
     ``need_follower``: the match must have an occurrence with a next token in its document (the
     ∞-gram's rule); else any occurrence counts (the online features' rule). Next-token counts
-    are a histogram of the ``.follow`` slices: exact up to ``exact_limit`` occurrences (and
+    are a histogram of the ``order.follow`` slices: exact up to ``exact_limit`` occurrences (and
     for one-byte matches, from ``pairs`` of ``pair_counts`` when keys are bytes; else it is
-    empty), else every stride-th occurrence counts ``stride`` times. Returns per context ``summary[c] = (length, occurrences,
-    occurrences with a follower, a position with a follower or -1)`` and the rank range in every
-    shard; then the distributions as ``offsets`` and rows ``(token, count)``, most frequent
-    first, ``top_k`` each (all if ``top_k <= 0``); and the index of the first token outside
-    the vocabulary (-1 if none; then nothing else is computed). ``tally`` (zeros) and ``seen``
-    are scratch arrays of ``vocab`` entries; ``tally`` is all zeros again on return. A
-    ``.prefix`` or ``.follow`` value out of range raises IndexDamaged (``tally`` is then dirty).
+    empty), else every stride-th occurrence counts ``stride`` times. Returns per context
+    ``summary[c] = (length, occurrences, occurrences with a follower, a position with a
+    follower or -1)``; the rank ranges of the occurrences, context ``c``'s being rows
+    ``range_offsets[c]:range_offsets[c+1]`` of ``ranges``; then the distributions as
+    ``offsets`` and rows ``(token, count)``, most frequent first, ``top_k`` each (all if
+    ``top_k <= 0``); and the index of the first token outside the vocabulary (-1 if none; then
+    nothing else is computed). ``tally`` (zeros) and ``seen`` are scratch arrays of ``vocab``
+    entries; ``tally`` is all zeros again on return. An order entry out of range raises
+    IndexDamaged (``tally`` is then dirty).
     """
-    num_shards = len(shards[0])
+    n_total = _size(corpus)
     contexts = len(ctx_starts) - 1
     summary = np.zeros((contexts, 4), dtype=np.int64)
-    ranges = np.zeros((contexts, num_shards, 2), dtype=np.int64)
+    range_offsets = np.zeros(contexts + 1, dtype=np.int64)
+    ranges = np.empty((max(16, contexts), 2), dtype=np.int64)
     offsets = np.zeros(contexts + 1, dtype=np.int64)
     for i in range(len(ctx)):
         if ctx[i] < 0 or ctx[i] >= vocab:
-            return summary, ranges, offsets, np.empty((0, 2), dtype=np.int64), i
-    found = np.zeros((num_shards, 4), dtype=np.int64)  # _shard_range's answer per shard
+            return summary, ranges[:0], range_offsets, offsets, np.empty((0, 2), dtype=np.int64), i
+    parts = np.empty((4, 6), dtype=np.int64)
+    found = np.empty((16, 2), dtype=np.int64)
     rows = np.empty((max(16, contexts * 8), 2), dtype=np.int64)
+    follow = corpus[6]
     for c in range(contexts):
         end = ctx_starts[c + 1]
         m = _matchable(ctx, ctx_starts[c], end, separator)
-        best = 0
-        for k in range(num_shards):
-            found[k] = _shard_range(
-                _shard(shards, k),
-                doc_bits,
-                separator,
-                shard_buckets[k],
-                elem_bits,
-                sample,
-                ctx,
-                end,
-                m,
-            )
-            best = max(best, found[k, 0])
+        best, used, parts = _match(
+            corpus, doc_bits, separator, n_total, elem_bits, sample, ctx, end, m, parts
+        )
         while True:
             total, witness = 0, -1
-            for k in range(num_shards):
-                shard = _shard(shards, k)
-                lo, hi = 0, 0
-                if found[k, 0] >= best and len(shard[2]):
-                    lo, hi = _expand(
-                        shard,
-                        doc_bits,
-                        separator,
-                        shard_buckets[k],
-                        elem_bits,
-                        ctx,
-                        end,
-                        best,
-                        found[k],
-                    )
-                ranges[c, k, 0], ranges[c, k, 1] = lo, hi
+            count, found = _ranges_at(
+                corpus, doc_bits, separator, n_total, elem_bits, ctx, end, best, parts, used, found
+            )
+            for r in range(count):
+                lo, hi = found[r, 0], found[r, 1]
                 total += hi - lo
-                follow = shard[3]
                 for i in range(lo, hi if witness < 0 else lo):
                     if follow[i] != separator:
-                        if shard[2][i] >= len(shard[0]):
-                            raise IndexDamaged(PREFIX_OUT_OF_RANGE)
-                        witness = shard[5] + np.int64(shard[2][i])
+                        witness = _position(corpus, i)
+                        if witness >= n_total:
+                            raise IndexDamaged(ORDER_OUT_OF_RANGE)
                         break
             if witness >= 0 or not need_follower or best == 0:
                 break
             best -= 1
         summary[c, 0], summary[c, 1], summary[c, 3] = best, total, witness
+        base = range_offsets[c]
+        if base + count > len(ranges):
+            grown = np.empty((2 * (base + count), 2), dtype=np.int64)
+            grown[:base] = ranges[:base]
+            ranges = grown
+        ranges[base : base + count] = found[:count]
+        range_offsets[c + 1] = base + count
 
         distinct, followed = 0, 0
         stride = 0  # no distribution
@@ -334,9 +436,8 @@ def lookup(
             rows[offsets[c] : offsets[c] + keep] = pairs[a, :keep]
         else:
             passed = 0
-            for k in range(num_shards if stride else 0):
-                lo, hi = ranges[c, k, 0], ranges[c, k, 1]
-                follow = _shard(shards, k)[3]
+            for r in range(count if stride else 0):
+                lo, hi = found[r, 0], found[r, 1]
                 for i in range(lo + (-passed) % stride, hi, stride):
                     f = follow[i]
                     if f != separator:
@@ -359,13 +460,13 @@ def lookup(
                 tally[seen[j]] = 0
         summary[c, 2] = followed
         offsets[c + 1] = offsets[c] + keep
-    return summary, ranges, offsets, rows[: offsets[contexts]], -1
+    total_ranges = range_offsets[contexts]
+    return summary, ranges[:total_ranges], range_offsets, offsets, rows[: offsets[contexts]], -1
 
 
 @njit(cache=True, nogil=True)
 def causal_counts(
-    shards,
-    shard_buckets,
+    corpus,
     elem_bits,
     sample,
     doc_bits,
@@ -385,56 +486,47 @@ def causal_counts(
     exists (0: none at all, then ``total`` is 0). Exact up to ``exact_limit`` occurrences of a
     suffix, else every stride-th occurrence counts ``stride`` times.
     """
+    n_total = _size(corpus)
     contexts = len(ctx_starts) - 1
     out = np.zeros((contexts, 3), dtype=np.int64)
-    ranges = np.zeros((len(shards[0]), 2), dtype=np.int64)
+    parts = np.empty((4, 6), dtype=np.int64)
+    found = np.empty((16, 2), dtype=np.int64)
+    follow = corpus[6]
     for c in range(contexts):
         end = ctx_starts[c + 1]
         m = _matchable(ctx, ctx_starts[c], end, separator)
-        while m > 0:
-            total, hits = 0, 0
+        length, used, parts = _match(
+            corpus, doc_bits, separator, n_total, elem_bits, sample, ctx, end, m, parts
+        )
+        while length > 0:
+            count, found = _ranges_at(
+                corpus,
+                doc_bits,
+                separator,
+                n_total,
+                elem_bits,
+                ctx,
+                end,
+                length,
+                parts,
+                used,
+                found,
+            )
             occurrences = 0
-            ranges[:] = 0
-            for k in range(len(shards[0])):
-                shard = _shard(shards, k)
-                found = _shard_range(
-                    shard,
-                    doc_bits,
-                    separator,
-                    shard_buckets[k],
-                    elem_bits,
-                    sample,
-                    ctx,
-                    end,
-                    m,
-                )
-                if found[0] >= m:
-                    lo, hi = _expand(
-                        shard,
-                        doc_bits,
-                        separator,
-                        shard_buckets[k],
-                        elem_bits,
-                        ctx,
-                        end,
-                        m,
-                        found,
-                    )
-                    ranges[k, 0], ranges[k, 1] = lo, hi
-                    occurrences += hi - lo
+            for r in range(count):
+                occurrences += found[r, 1] - found[r, 0]
             stride = max(1, (occurrences + exact_limit - 1) // exact_limit)
-            passed = 0
-            for k in range(len(shards[0])):
-                lo, hi = ranges[k, 0], ranges[k, 1]
-                _, _, prefix, follow, _, start, _ = _shard(shards, k)
+            total, hits, passed = 0, 0, 0
+            for r in range(count):
+                lo, hi = found[r, 0], found[r, 1]
                 for i in range(lo + (-passed) % stride, hi, stride):
-                    if start + np.int64(prefix[i]) + 1 < limits[c] and follow[i] != separator:
+                    if _position(corpus, i) + 1 < limits[c] and follow[i] != separator:
                         total += stride
                         if follow[i] == targets[c]:
                             hits += stride
                 passed += hi - lo
             if total > 0:
-                out[c, 0], out[c, 1], out[c, 2] = m, total, hits
+                out[c, 0], out[c, 1], out[c, 2] = length, total, hits
                 break
-            m -= 1
+            length -= 1
     return out

@@ -85,3 +85,99 @@ def sort_shard_reference(
         keys.append((key, i - n_overlap))
     keys.sort()
     return np.array([pos for _, pos in keys], dtype=np.uint32)
+
+
+@njit(cache=True)
+def _run_sizes(context, starts, n_overlap, order, cap, elem_bits, separator, lcp, depth, bucket):
+    """Per sorted entry: its key's real elements (``depth``, at most ``cap``), the elements it
+    shares with the previous entry's key (``lcp``; 0 at the first entry of a bucket) and its
+    bucket; returns the number of elements to store."""
+    total = 0
+    for r in range(len(order)):
+        i = np.int64(order[r]) + n_overlap
+        d = min(i - starts[i] + 1, cap)
+        depth[r] = d
+        second = np.int64(context[i - 1]) if d >= 2 else -1
+        if elem_bits == 16:
+            bucket[r] = context[i]
+        else:
+            bucket[r] = (np.int64(context[i]) << 8) | (second if d >= 2 else separator)
+        common = 0
+        if r > 0 and bucket[r] == bucket[r - 1]:
+            prev = np.int64(order[r - 1]) + n_overlap
+            limit = min(d, depth[r - 1])
+            while common < limit and context[i - common] == context[prev - common]:
+                common += 1
+        lcp[r] = common
+        total += d - common
+    return total
+
+
+@njit(cache=True)
+def _fill_run(
+    context, n_overlap, order, lcp, depth, starts, separator, last_follower, follow, elements
+):
+    """The stored elements of every entry (those after its ``lcp``) and its follower."""
+    e = 0
+    for r in range(len(order)):
+        i = np.int64(order[r]) + n_overlap
+        for j in range(lcp[r], depth[r]):
+            elements[e] = context[i - j]
+            e += 1
+        if i + 1 < len(context):
+            follow[r] = context[i + 1] if starts[i + 1] != i + 1 else separator
+        else:
+            follow[r] = last_follower if last_follower >= 0 else separator
+
+
+@njit(cache=True)
+def _doc_start_of(n, doc_starts, starts):
+    """For every context index, the index of its document's start (0 before the first)."""
+    d, current = 0, 0
+    for i in range(n):
+        while d < len(doc_starts) and doc_starts[d] <= i:
+            current = doc_starts[d]
+            d += 1
+        starts[i] = current
+
+
+def encode_run(
+    context: np.ndarray,
+    n_overlap: int,
+    doc_starts: np.ndarray,
+    order: np.ndarray,
+    cap: int,
+    separator: int,
+    last_follower: int,
+    sort_dtype,
+) -> dict[str, np.ndarray]:
+    """The sorted shard's keys, front-coded, for pass 3's streaming merge.
+
+    ``order`` is :func:`sort_shard`'s answer for the same ``context``; ``last_follower`` is the
+    token after the shard's last position in its document (-1 if none). Per entry: ``lcp`` (key
+    elements shared with the previous entry, 0 at a bucket's first entry), ``depth`` (the key's
+    real elements, at most ``cap``), ``follow`` (the next token, or the separator) and, in
+    ``elements``, its key elements ``lcp..depth`` (element ``j`` is ``context[i - j]``).
+    ``starts[0, b]``/``starts[1, b]``: the entry and the element where bucket ``b`` begins.
+    """
+    n = len(order)
+    elem_bits = 8 * np.dtype(sort_dtype).itemsize
+    starts = np.empty(len(context), dtype=np.int32 if len(context) < 2**31 else np.int64)
+    _doc_start_of(len(context), np.asarray(doc_starts, dtype=np.int64), starts)
+    lcp = np.empty(n, dtype=np.uint8)
+    depth = np.empty(n, dtype=np.uint8)
+    bucket = np.empty(n, dtype=np.int64)
+    total = _run_sizes(
+        context, starts, n_overlap, order, cap, elem_bits, separator, lcp, depth, bucket
+    )
+    follow = np.empty(n, dtype=sort_dtype)
+    elements = np.empty(total, dtype=sort_dtype)
+    _fill_run(
+        context, n_overlap, order, lcp, depth, starts, separator, last_follower, follow, elements
+    )
+    counts = np.bincount(bucket, minlength=1 << 16)
+    stored = np.bincount(bucket, weights=depth.astype(np.int64) - lcp, minlength=1 << 16)
+    index = np.zeros((2, (1 << 16) + 1), dtype=np.uint64)
+    np.cumsum(counts, out=index[0, 1:])
+    np.cumsum(stored.astype(np.int64), out=index[1, 1:])
+    return {"lcp": lcp, "depth": depth, "follow": follow, "elements": elements, "starts": index}

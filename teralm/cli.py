@@ -34,6 +34,11 @@ def _add_build_args(p: argparse.ArgumentParser) -> None:
         default=min(os.cpu_count() or 1, 8),
         help="processes for the sort and feature passes",
     )
+    p.add_argument(
+        "--memory",
+        help="memory budget of the build, e.g. 2G or 512M (default: half of the RAM, or of "
+        "the cgroup's limit); it sets the size of the merge jobs and how many run at once",
+    )
     p.add_argument("--text-field", default="text", help="text field of JSONL/Parquet/HF records")
     p.add_argument(
         "--verify-samples",
@@ -58,9 +63,20 @@ def _fail(prog: str, message: str) -> int:
 def _run_build(args: argparse.Namespace, prog: str) -> int:
     import lmdb
 
-    from teralm.build_index.builder import BuildConfig, BuildError, build, format_summary
+    from teralm.build_index.builder import (
+        BuildConfig,
+        BuildError,
+        build,
+        default_memory,
+        format_summary,
+        parse_size,
+    )
     from teralm.build_index.sources import SourceError
 
+    try:
+        memory = parse_size(args.memory) if args.memory else default_memory()
+    except ValueError as e:
+        return _fail(prog, str(e))
     config = BuildConfig(
         source=args.source,
         out=args.out or _default_out(args.source),
@@ -68,6 +84,7 @@ def _run_build(args: argparse.Namespace, prog: str) -> int:
         shard_tokens=args.shard_tokens,
         max_match=args.max_match,
         workers=args.workers,
+        memory=memory,
         force=args.force,
         text_field=args.text_field,
         verify_samples=args.verify_samples,

@@ -15,6 +15,7 @@ import pytest
 from conftest import build_docs, random_documents, write_jsonl
 
 from teralm.index import Index
+from teralm.index import format as fmt
 
 ENV = {**os.environ, "TQDM_DISABLE": "1"}
 
@@ -41,7 +42,11 @@ def assert_clean_failure(result: subprocess.CompletedProcess, out: Path, *words:
 
 
 def content_files(directory: Path) -> dict[str, bytes]:
-    names = [p for p in sorted(directory.iterdir()) if p.name.startswith(("shard-", "documents"))]
+    names = [
+        p
+        for p in sorted(directory.iterdir())
+        if p.name.startswith(("shard-", "order.", "documents"))
+    ]
     return {p.name: p.read_bytes() for p in names}
 
 
@@ -193,7 +198,9 @@ def test_summary_and_verify_index(tmp_path):
     for word in ("tokens", "documents", "shards", "bytes/tok", "tokenize", "features", "peak RSS"):
         assert word in built.stdout
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["bytes_per_token"]["total"] == pytest.approx(8.25, abs=0.03)
+    # tokens 1, match 2, positions 4, follow 1, sampled keys 0.25, and the bucket table
+    buckets = (fmt.NUM_BUCKETS + 1) * 8 / manifest["num_tokens"]
+    assert manifest["bytes_per_token"]["total"] == pytest.approx(8.25 + buckets, abs=0.03)
     ok = run_cli("verify-index", out, "--samples", "50")
     assert ok.returncode == 0 and "OK" in ok.stdout, ok.stdout + ok.stderr
     match = out / "shard-00001.match"

@@ -82,13 +82,13 @@ def query_text(directory: Path) -> str:
 
 DAMAGES = [
     (truncate, f"{SHARD}.tokens"),
-    (truncate, f"{SHARD}.prefix"),
     (truncate, f"{SHARD}.match"),
-    (truncate, f"{SHARD}.follow"),
-    (truncate, f"{SHARD}.keys"),
-    (truncate, "buckets.u32"),
+    (truncate, "order.positions"),
+    (truncate, "order.follow"),
+    (truncate, "order.keys"),
+    (truncate, "order.buckets"),
     (truncate, "documents.offsets"),
-    (remove, f"{SHARD}.keys"),
+    (remove, "order.keys"),
     (remove, "documents.offsets"),
     (remove, "catalog.lmdb"),
 ]
@@ -112,31 +112,33 @@ def test_match_length_beyond_max_match_is_refused(index_dir, capsys):
 
 def test_bucket_table_out_of_order_is_refused(index_dir, capsys):
     text = query_text(index_dir)
-    set_values(index_dir / "buckets.u32", "<u4", 70_000, 1 << 30)
+    set_values(index_dir / "order.buckets", "<u8", 60_000, 1 << 30)
     ix = Index.open(index_dir)
-    with pytest.raises(IndexDamaged, match="buckets.u32.*verify-index"):
+    with pytest.raises(IndexDamaged, match="order.buckets.*verify-index"):
         ix.longest_match([ix.encode(text)])
-    assert "FAIL buckets.u32" in verify_output(index_dir, capsys)
+    assert "FAIL order.buckets" in verify_output(index_dir, capsys)
 
 
-def flip_prefix(directory: Path) -> None:
-    path = directory / f"{SHARD}.prefix"
+def flip_positions(directory: Path) -> None:
+    path = directory / "order.positions"
     set_values(path, "<u4", slice(None), np.fromfile(path, "<u4") ^ np.uint32(1 << 31))
 
 
-def truncate_prefix(directory: Path) -> None:
-    truncate(directory / f"{SHARD}.prefix")
+def truncate_positions(directory: Path) -> None:
+    truncate(directory / "order.positions")
 
 
 def flip_buckets(directory: Path) -> None:
-    set_values(directory / "buckets.u32", "<u4", slice(65537, None), 1 << 30)  # shards 1..
+    set_values(directory / "order.buckets", "<u8", slice(20_000, None), 1 << 40)
 
 
 def truncate_catalog(directory: Path) -> None:
     os.truncate(directory / "catalog.lmdb" / "data.mdb", 8192)  # its two header pages
 
 
-@pytest.mark.parametrize("damage", [truncate_prefix, flip_prefix, flip_buckets, truncate_catalog])
+@pytest.mark.parametrize(
+    "damage", [truncate_positions, flip_positions, flip_buckets, truncate_catalog]
+)
 def test_query_of_damaged_index_exits_with_one_line(index_dir, damage, capsys):
     """These could crash the process (SIGSEGV, SIGBUS): reads past the end of a file."""
     text = query_text(index_dir)
@@ -149,11 +151,11 @@ def test_query_of_damaged_index_exits_with_one_line(index_dir, damage, capsys):
 def test_follower_outside_vocabulary_is_refused(built_bpe, tmp_path, capsys):
     directory = Path(shutil.copytree(built_bpe, tmp_path / "index"))
     ix = Index.open(directory)
-    context = ix.tokens(1000, 1004)  # shard 2
-    set_values(directory / "shard-00002.follow", "<u2", slice(None), 0xFFFF)
+    context = ix.tokens(1000, 1004)
+    set_values(directory / "order.follow", "<u2", slice(None), 0xFFFF)
     result = run_teralm("query", str(directory), ix.decode(context))
     assert_one_line_error(result, "teralm query: error:", "verify-index")
-    assert "FAIL shard-00002.follow" in verify_output(directory, capsys)
+    assert "FAIL order.follow" in verify_output(directory, capsys)
 
 
 def edit_manifest(directory: Path, change) -> None:
@@ -169,7 +171,7 @@ def edit_manifest(directory: Path, change) -> None:
         (lambda m: m.update(num_tokens="many"), ["'num_tokens'"]),
         (lambda m: m["shards"][1].pop("files"), ["shard 1"]),
         (lambda m: m["shards"][1].update(num_tokens=999), ["num_tokens"]),
-        (lambda m: m["shards"][1]["files"]["keys"].update(bytes=8), [f"{SHARD}.keys"]),
+        (lambda m: m["order"]["files"]["keys"].update(bytes=8), ["order.keys"]),
     ],
     ids=["no shards", "num_tokens a string", "no files", "sizes disagree", "keys bytes"],
 )

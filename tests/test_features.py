@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from conftest import build_docs, random_documents
 
 from teralm.index import Index
 from teralm.index import format as fmt
+from teralm.index.catalog import Catalog
 from teralm.kernels.match import brute_force_features
 
 
@@ -29,28 +32,50 @@ def assert_features_match_brute_force(ix: Index) -> None:
             assert nxt in valid, f"position {t}: next {nxt} not among {valid}"
         else:
             assert nxt == ix.no_token, f"position {t}: next {nxt}, expected none"
-    assert_follow_arrays_correct(ix, doc_ids_of(ix))
+    assert_order_correct(ix, doc_ids_of(ix))
 
 
-def assert_follow_arrays_correct(ix: Index, doc_ids: np.ndarray) -> None:
-    """``.follow[i]`` is the token after the i-th sorted position, or the separator; ``.keys``
-    holds the first key word of every KEY_SAMPLE-th position."""
+def reversed_key(tokens, doc_ids, t: int, lowest: int, separator: int) -> list[int]:
+    """The reversed context of ``t`` back to its document start (or ``lowest``), then the
+    separator."""
+    key, j = [], t
+    while j >= lowest and doc_ids[j] == doc_ids[t]:
+        key.append(int(tokens[j]))
+        j -= 1
+    return key + [separator]
+
+
+def assert_order_correct(ix: Index, doc_ids: np.ndarray) -> None:
+    """``order.positions`` holds every position once, sorted by the first ``sort_depth`` key
+    elements, then shard, then whole key; ``order.follow[i]`` is the token after the i-th
+    position, or the separator; ``order.keys`` holds the first key word of every KEY_SAMPLE-th
+    position."""
     tokens, separator = ix.tokens(0, ix.num_tokens), ix.manifest["separator"]
+    m = ix.manifest
+    width, depth, shard = m["order"]["width"], m["order"]["depth"], m["shard_tokens"]
+    raw = np.fromfile(fmt.order_file(ix.directory, "positions"), dtype=np.uint8)
+    p = fmt.positions(raw, width)
+    assert sorted(p.tolist()) == list(range(ix.num_tokens))
+    lowest = [max(0, (t // shard) * shard - m["context_overlap"]) for t in range(ix.num_tokens)]
+    keys = [reversed_key(tokens, doc_ids, t, lowest[t], separator) for t in range(ix.num_tokens)]
+    sort_keys = [(keys[t][:depth], t // shard, keys[t]) for t in p.tolist()]
+    assert sort_keys == sorted(sort_keys)
     dtype = fmt.sort_dtype(tokens.dtype, separator)
-    for k in range(len(ix.manifest["shards"])):
-        prefix = np.fromfile(fmt.shard_file(ix.directory, k, "prefix"), dtype=fmt.PREFIX_DTYPE)
-        follow = np.fromfile(fmt.shard_file(ix.directory, k, "follow"), dtype=dtype)
-        p = prefix.astype(np.int64) + k * ix.manifest["shard_tokens"]
-        inside = p + 1 < ix.num_tokens
-        inside[inside] = doc_ids[p[inside] + 1] == doc_ids[p[inside]]
-        expected = np.full(len(p), separator)
-        expected[inside] = tokens[p[inside] + 1]
-        np.testing.assert_array_equal(follow, expected)
-        keys = np.fromfile(fmt.shard_file(ix.directory, k, "keys"), dtype=fmt.KEY_DTYPE)
-        bits = 8 * dtype.itemsize
-        assert keys.tolist() == [
-            first_key_word(tokens, doc_ids, t, bits, separator) for t in p[:: fmt.KEY_SAMPLE]
-        ]
+    follow = np.fromfile(fmt.order_file(ix.directory, "follow"), dtype=dtype)
+    inside = p + 1 < ix.num_tokens
+    inside[inside] = doc_ids[p[inside] + 1] == doc_ids[p[inside]]
+    expected = np.full(len(p), separator)
+    expected[inside] = tokens[p[inside] + 1]
+    np.testing.assert_array_equal(follow, expected)
+    sampled = np.fromfile(fmt.order_file(ix.directory, "keys"), dtype=fmt.KEY_DTYPE)
+    bits = 8 * dtype.itemsize
+    assert sampled.tolist() == [
+        first_key_word(tokens, doc_ids, t, bits, separator) for t in p[:: fmt.KEY_SAMPLE]
+    ]
+    buckets = np.fromfile(fmt.order_file(ix.directory, "buckets"), dtype=fmt.BUCKET_DTYPE)
+    lead = [first_key_word(tokens, doc_ids, t, bits, separator) >> 48 for t in p.tolist()]
+    assert buckets[-1] == ix.num_tokens
+    np.testing.assert_array_equal(np.searchsorted(lead, np.arange(1 << 16)), buckets[:-1])
 
 
 def first_key_word(tokens, doc_ids, t: int, bits: int, separator: int) -> int:
@@ -141,3 +166,29 @@ def test_read_api(tmp_path):
     assert ix.document_source(0) == "0"
     with pytest.raises(IndexError):
         ix.document_range(3)
+
+
+def test_tiny_memory_budget_gives_identical_files(tmp_path):
+    """A budget that cuts pass 3 into many small merge jobs changes no byte of the index."""
+    from test_cli import content_files
+
+    rng = np.random.default_rng(12)
+    docs = random_documents(rng, 600, max_len=600)
+    large = build_docs(tmp_path / "large", docs, shard_tokens=30_000)
+    small = build_docs(tmp_path / "small", docs, shard_tokens=30_000, memory=3 << 20)
+    catalogs = [Catalog(ix.directory / fmt.CATALOG, readonly=True) for ix in (large, small)]
+    jobs = [len(c.get("p3/jobs")) for c in catalogs]
+    for c in catalogs:
+        c.close()
+    assert jobs[1] >= 2 * jobs[0], jobs
+    assert content_files(large.directory) == content_files(small.directory)
+    assert large.manifest["order"] == small.manifest["order"]
+
+
+def test_index_of_an_older_format_is_refused(tmp_path):
+    ix = build_docs(tmp_path, ["hello world", "hello there"])
+    manifest = json.loads((ix.directory / fmt.MANIFEST).read_text())
+    manifest["version"] = 3
+    (ix.directory / fmt.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="format version 3.*reads version 4.*rebuild"):
+        Index.open(ix.directory)

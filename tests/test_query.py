@@ -51,11 +51,15 @@ def random_contexts(rng, x, count):
     return contexts
 
 
-@pytest.fixture(params=[0, 1, 2])
+@pytest.fixture(params=[0, 1, 2, 3])
 def corpus(request, tmp_path):
+    """Random corpora; the last one's order compares only 8 key elements (max_match 2), so most
+    contexts are longer than its depth and are searched shard by shard inside their block."""
     rng = np.random.default_rng(40 + request.param)
     docs = random_documents(rng, 12, max_len=90)
-    ix = build_docs(tmp_path, docs, shard_tokens=int(rng.integers(20, 200)))
+    max_match = 32 if request.param < 3 else 2
+    ix = build_docs(tmp_path, docs, shard_tokens=int(rng.integers(20, 200)), max_match=max_match)
+    assert ix.manifest["order"]["depth"] == max(max_match, 8)
     return ix, rng
 
 
@@ -242,3 +246,30 @@ def test_one_byte_matches_are_exact_past_max_support(corpus):
     assert ix.longest_match([context]).count[0] > 2
     for (ta, ca), (tb, cb) in zip(exact, table):
         assert ta.tolist() == tb.tolist() and ca.tolist() == cb.tolist()
+
+
+def test_causal_counts_equal_brute_force(corpus):
+    """The ∞-gram of a position seeing only earlier text (training's counts)."""
+    ix, rng = corpus
+    x, doc_ids = ix.tokens(0, ix.num_tokens), doc_ids_of(ix)
+    limits = [int(t) for t in rng.integers(1, ix.num_tokens, size=60)]
+    contexts = []
+    for t in limits:
+        start = t - 1
+        while start > 0 and doc_ids[start - 1] == doc_ids[t - 1] and t - start < 40:
+            start -= 1
+        contexts.append([int(v) for v in x[start:t]])
+    targets = [int(x[t]) for t in limits]
+    got = ix.query.causal_counts(contexts, limits, targets)
+    for (length, total, hits), context, limit, target in zip(got, contexts, limits, targets):
+        want = (0, 0, 0)
+        for size in range(len(context), 0, -1):
+            ends = [
+                p
+                for p in occurrences(x, doc_ids, context[len(context) - size :])
+                if p + 1 < limit and has_follower(doc_ids, p)
+            ]
+            if ends:
+                want = (size, len(ends), sum(int(x[p + 1]) == target for p in ends))
+                break
+        assert (length, total, hits) == want, (context, limit)
