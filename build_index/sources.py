@@ -1,5 +1,9 @@
 """Corpus sources for build-index: enwik8/9, the Python stdlib, text files, folders, JSONL, Parquet
-and Hugging Face datasets. Each yields documents in a fixed order, as (label, text) pairs."""
+and Hugging Face datasets. Each yields documents in a fixed order, as (label, text) pairs.
+
+The enwik XML is streamed: read in chunks of ENWIK_CHUNK_BYTES and split at its ``  <page>``
+markers, so memory stays flat however large the file.
+"""
 
 from __future__ import annotations
 
@@ -41,6 +45,9 @@ TEXT_SUFFIXES = {
     ".gz",
 }
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4", ".7z")
+ENWIK_CHUNK_BYTES = 16 << 20
+ENWIK_HEADER_BYTES = 1 << 20  # the XML before the first page; enwik's is about 1 KB
+PAGE_MARKER = b"  <page>"
 
 Document = tuple[str, "str | bytes"]
 
@@ -130,14 +137,10 @@ class Source:
 
     def _enwik_pages(self):
         """Split the Wikipedia XML dump into its <page> elements (the header is one document)."""
-        data = _read_file(self.path)
-        starts = [m.start() for m in re.finditer(rb"  <page>", data)]
-        bounds = [0, *starts, len(data)] if starts and starts[0] > 0 else [*starts, len(data)]
-        for a, b in zip(bounds, bounds[1:]):
-            page = data[a:b]
+        for start, page, end in _split_pages(self.path, ENWIK_CHUNK_BYTES):
             title = re.search(rb"<title>(.*?)</title>", page[:4096])
-            label = title.group(1).decode("utf-8", "replace") if title else f"{self.name}@{a}"
-            yield (label, page), b
+            label = title.group(1).decode("utf-8", "replace") if title else f"{self.name}@{start}"
+            yield (label, page), end
 
     def _jsonl(self):
         yield from self._jsonl_records(self.path)
@@ -250,6 +253,37 @@ def _first_line(e: Exception) -> str:
     return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
+def _split_pages(path: Path, chunk_bytes: int) -> Iterator[tuple[int, bytes, int]]:
+    """(start, bytes, end) of each document of an enwik file: the header before the first
+    PAGE_MARKER (when not empty), then each page up to the next marker or the end of the file.
+    Read ``chunk_bytes`` at a time; only the unfinished document is carried over, so memory is
+    a chunk plus the longest page."""
+    buf = bytearray()
+    start = 0  # file offset of buf[0], the start of the unfinished document
+    scan = 0  # where in buf the next marker may start
+    pages = False
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(chunk_bytes):
+                buf += chunk
+                while (cut := buf.find(PAGE_MARKER, scan)) >= 0:
+                    if cut:
+                        yield start, bytes(buf[:cut]), start + cut
+                    del buf[:cut]
+                    start, scan, pages = start + cut, len(PAGE_MARKER), True
+                scan = max(scan, len(buf) - len(PAGE_MARKER) + 1)
+                if not pages and len(buf) > ENWIK_HEADER_BYTES:
+                    break
+    except OSError as e:
+        raise SourceError(f"cannot read {path}: {e.strerror or e}") from None
+    if not pages:
+        raise SourceError(
+            f"{path} is not a Wikipedia XML dump: no {PAGE_MARKER.decode()!r} in its first "
+            f"{len(buf):,} bytes"
+        )
+    yield start, bytes(buf), start + len(buf)
+
+
 def _read_file(path: Path) -> bytes:
     try:
         return path.read_bytes()
@@ -317,7 +351,7 @@ def fetch_enwik(name: str, download: bool = True) -> Path:
     tmp = target.with_suffix(".part")
     try:
         with zipfile.ZipFile(archive) as z, z.open(name) as member, open(tmp, "wb") as out:
-            while chunk := member.read(1 << 24):
+            while chunk := member.read(ENWIK_CHUNK_BYTES):
                 out.write(chunk)
     except (zipfile.BadZipFile, KeyError) as e:
         archive.unlink(missing_ok=True)
