@@ -1,8 +1,12 @@
 """Corpus sources for build-index: enwik8/9, the Python stdlib, text files, folders, JSONL, Parquet
 and Hugging Face datasets. Each yields documents in a fixed order, as (label, text) pairs.
 
-The enwik XML is streamed: read in chunks of ENWIK_CHUNK_BYTES and split at its ``  <page>``
-markers, so memory stays flat however large the file.
+Every source is streamed, so memory stays flat however large the corpus: the enwik XML is read in
+chunks of ENWIK_CHUNK_BYTES and split at its ``  <page>`` markers; JSON lines one line at a time;
+Parquet by record batches; Hugging Face datasets by iterating them. A text file (alone or in a folder)
+of up to TEXT_PIECE_BYTES is one document, labelled with its name; a larger one is read in pieces of at
+most TEXT_PIECE_BYTES, each cut after its last newline (at the piece boundary if it has none, moved
+back to the start of a UTF-8 character), and each piece is one document labelled ``name@offset``.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ TEXT_SUFFIXES = {
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4", ".7z")
 ENWIK_CHUNK_BYTES = 16 << 20
 ENWIK_HEADER_BYTES = 1 << 20  # the XML before the first page; enwik's is about 1 KB
+TEXT_PIECE_BYTES = 64 << 20
 PAGE_MARKER = b"  <page>"
 
 Document = tuple[str, "str | bytes"]
@@ -127,13 +132,12 @@ class Source:
                     yield document, done
                 done += f.stat().st_size
                 continue
-            data = _read_file(f)
-            done += len(data)
-            yield (str(f.relative_to(self.path)), data), done
+            for document, end in _text_documents(f, str(f.relative_to(self.path))):
+                yield document, done + end
+            done += f.stat().st_size
 
     def _text_file(self):
-        data = _read_file(self.path)
-        yield (self.path.name, data), len(data)
+        yield from _text_documents(self.path, self.path.name)
 
     def _enwik_pages(self):
         """Split the Wikipedia XML dump into its <page> elements (the header is one document)."""
@@ -284,11 +288,44 @@ def _split_pages(path: Path, chunk_bytes: int) -> Iterator[tuple[int, bytes, int
     yield start, bytes(buf), start + len(buf)
 
 
-def _read_file(path: Path) -> bytes:
+def _text_documents(path: Path, label: str) -> Iterator[tuple[Document, int]]:
+    """A text file as one document, or in pieces labelled ``label@offset`` when it is larger
+    than TEXT_PIECE_BYTES; each with the file offset it ends at."""
     try:
-        return path.read_bytes()
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size <= TEXT_PIECE_BYTES:
+                data = f.read()
+                yield (label, data), len(data)
+                return
+            for offset, piece in _pieces(f, size, TEXT_PIECE_BYTES):
+                yield (f"{label}@{offset}", piece), offset + len(piece)
     except OSError as e:
-        raise SourceError(f"cannot read {path}: {e.strerror}") from None
+        raise SourceError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def _pieces(f, size: int, piece_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """(offset, bytes) pieces of at most ``piece_bytes`` of a file of ``size`` bytes, each but the
+    last cut after its last newline, or at the end if it has none (not inside a UTF-8 character);
+    the next piece is read from the cut."""
+    offset = 0
+    while data := f.read(piece_bytes):
+        if offset + len(data) < size:
+            data = data[: data.rfind(b"\n") + 1 or _utf8_cut(data)]
+            f.seek(offset + len(data))
+        yield offset, data
+        offset += len(data)
+
+
+def _utf8_cut(data: bytes) -> int:
+    """``len(data)``, or the start of the UTF-8 character that the end of ``data`` splits."""
+    end = len(data)
+    for i in range(end - 1, max(end - 4, 0), -1):
+        lead = data[i]
+        if lead & 0xC0 != 0x80:  # not a continuation byte
+            length = 1 if lead < 0xC0 else 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+            return i if i + length > end else end
+    return end
 
 
 def resolve_source(spec: str, text_field: str = "text", download: bool = True) -> Source:

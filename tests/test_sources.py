@@ -1,5 +1,5 @@
-"""Corpus sources read in bounded memory: enwik split in chunks, enwik zips extracted in chunks,
-and a child process's peak memory on a 185 MB file."""
+"""Corpus sources read in bounded memory: enwik split in chunks, large text files in pieces,
+enwik zips extracted in chunks, and a child process's peak memory on a 185 MB file."""
 
 from __future__ import annotations
 
@@ -98,6 +98,66 @@ def test_enwik_without_pages_is_refused(tmp_path):
         streamed(path, 16)
 
 
+def reference_pieces(data: bytes, piece: int) -> list[tuple[int, bytes]]:
+    """Pieces of at most ``piece`` bytes, each but the last ending after its last newline, or
+    else before the UTF-8 character that straddles its end."""
+    out, offset = [], 0
+    while offset < len(data):
+        end = offset + piece
+        if end >= len(data):
+            end = len(data)
+        elif (newline := data.rfind(b"\n", offset, end)) >= 0:
+            end = newline + 1
+        else:
+            while data[end] & 0xC0 == 0x80:
+                end -= 1
+        out.append((offset, data[offset:end]))
+        offset = end
+    return out
+
+
+def text_documents(path: Path, piece: int) -> list:
+    with mock.patch.object(sources, "TEXT_PIECE_BYTES", piece):
+        return list(resolve_source(str(path)).documents())
+
+
+@EXAMPLES
+@given(
+    text=st.lists(
+        st.sampled_from(["a", "bc", "\u00e9", "\u20ac", "\U0001d11e", "\n"]), max_size=80
+    ),
+    piece=st.integers(4, 24),
+)
+def test_large_text_file_is_read_in_pieces(tmp_path, text, piece):
+    data = "".join(text).encode()
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(data)
+    got = text_documents(path, piece)
+    if len(data) <= piece:
+        assert got == [(("corpus.txt", data), len(data))]
+        return
+    expected = reference_pieces(data, piece)
+    assert got == [((f"corpus.txt@{a}", p), a + len(p)) for a, p in expected]
+    assert b"".join(p for (_, p), _ in got) == data
+    for (_, p), _ in got:
+        assert len(p) <= piece
+        p.decode("utf-8")  # no piece splits a character
+
+
+def test_folder_pieces_only_its_large_files(tmp_path):
+    folder = tmp_path / "corpus"
+    (folder / "sub").mkdir(parents=True)
+    big = b"".join(b"line %d\n" % i for i in range(30))
+    (folder / "a.txt").write_bytes(b"small\n")
+    (folder / "sub" / "b.md").write_bytes(big)
+    (folder / "sub" / "c.txt").write_bytes(b"x" * 64)
+    got = text_documents(folder, 64)
+    head = [(("a.txt", b"small\n"), 6)]
+    pieces = [((f"sub/b.md@{a}", p), 6 + a + len(p)) for a, p in reference_pieces(big, 64)]
+    tail = [(("sub/c.txt", b"x" * 64), 6 + len(big) + 64)]
+    assert got == head + pieces + tail
+
+
 def test_enwik_zip_is_downloaded_and_extracted_in_chunks(tmp_path, monkeypatch):
     data = enwik_like(30)
     served = tmp_path / "served"
@@ -128,7 +188,8 @@ def status(field):  # VmHWM, unlike ru_maxrss, is not inherited from the parent 
     line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))
     return int(line.split()[1]) * 1024
 
-kind, path = sys.argv[1], Path(sys.argv[2])
+kind, path, piece = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+sources.TEXT_PIECE_BYTES = piece
 before = status("VmRSS")
 documents = size = end = 0
 for (label, text), end in sources.Source("enwik8", kind, path).documents():
@@ -154,12 +215,13 @@ def large_enwik(tmp_path_factory) -> Path:
     return path
 
 
-def test_peak_memory_stays_well_under_the_file_size(large_enwik):
+@pytest.mark.parametrize("kind, piece", [("enwik", sources.TEXT_PIECE_BYTES), ("text", 8 << 20)])
+def test_peak_memory_stays_well_under_the_file_size(large_enwik, kind, piece):
     if not Path("/proc/self/status").exists():
         pytest.skip("reads peak memory from /proc/self/status (Linux)")
     size = large_enwik.stat().st_size
     child = subprocess.run(
-        [sys.executable, "-c", CHILD, "enwik", str(large_enwik)],
+        [sys.executable, "-c", CHILD, kind, str(large_enwik), str(piece)],
         capture_output=True,
         text=True,
         check=True,
@@ -167,7 +229,10 @@ def test_peak_memory_stays_well_under_the_file_size(large_enwik):
     )
     report = json.loads(child.stdout)
     growth = report["peak"] - report["before"]
-    print(f"enwik: {size:,} bytes, peak RSS {report['peak']:,}, growth {growth:,} bytes")
+    print(f"{kind}: {size:,} bytes, peak RSS {report['peak']:,}, growth {growth:,} bytes")
     assert report["size"] == report["end"] == size
-    assert report["documents"] == 40_001
+    if kind == "enwik":
+        assert report["documents"] == 40_001
+    else:
+        assert report["documents"] >= size / piece
     assert growth < 0.4 * size
