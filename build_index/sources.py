@@ -53,6 +53,7 @@ ENWIK_CHUNK_BYTES = 16 << 20
 ENWIK_HEADER_BYTES = 1 << 20  # the XML before the first page; enwik's is about 1 KB
 TEXT_PIECE_BYTES = 64 << 20
 PAGE_MARKER = b"  <page>"
+LABEL_FIELDS = ("title", "path", "url", "id")
 
 Document = tuple[str, "str | bytes"]
 
@@ -182,22 +183,22 @@ class Source:
         text = record[self.text_field]
         if not isinstance(text, str):
             raise SourceError(f"{fallback}: field '{self.text_field}' is not a string")
-        label = next(
-            (str(record[k]) for k in ("title", "path", "url", "id") if k in record), fallback
-        )
+        label = next((str(record[k]) for k in LABEL_FIELDS if k in record), fallback)
         return label, text
 
     def _parquet(self):
         import pyarrow.parquet as pq
 
         table = pq.ParquetFile(self.path)
-        if self.text_field not in table.schema_arrow.names:
+        names = table.schema_arrow.names
+        if self.text_field not in names:
             raise SourceError(
                 f"{self.path}: no column '{self.text_field}'; choose one with --text-field "
-                f"(columns: {', '.join(table.schema_arrow.names)})"
+                f"(columns: {', '.join(names)})"
             )
+        columns = [c for c in dict.fromkeys((self.text_field, *LABEL_FIELDS)) if c in names]
         row = 0
-        for batch in table.iter_batches(batch_size=1024):
+        for batch in table.iter_batches(batch_size=1024, columns=columns):
             for record in batch.to_pylist():
                 row += 1
                 yield self._record(record, f"{self.path.name}:{row}"), 0

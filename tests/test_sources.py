@@ -158,6 +158,19 @@ def test_folder_pieces_only_its_large_files(tmp_path):
     assert got == head + pieces + tail
 
 
+def test_parquet_reads_text_and_label_columns_by_batch(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n = 3000
+    table = pa.table(
+        {"body": [f"doc {i}" for i in range(n)], "id": list(range(n)), "blob": [b"\0" * 100] * n}
+    )
+    pq.write_table(table, tmp_path / "c.parquet", row_group_size=700)
+    got = list(resolve_source(str(tmp_path / "c.parquet"), text_field="body").documents())
+    assert [document for document, _ in got] == [(str(i), f"doc {i}") for i in range(n)]
+
+
 def test_enwik_zip_is_downloaded_and_extracted_in_chunks(tmp_path, monkeypatch):
     data = enwik_like(30)
     served = tmp_path / "served"
