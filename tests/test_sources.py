@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -214,8 +215,8 @@ print(json.dumps({**report, "peak": status("VmHWM")}))
 
 
 @pytest.fixture(scope="module")
-def large_enwik(tmp_path_factory) -> Path:
-    """About 185 MB of enwik-like XML, written page by page."""
+def large_enwik(tmp_path_factory) -> Iterator[Path]:
+    """About 185 MB of enwik-like XML, written page by page (and removed after the tests)."""
     path = tmp_path_factory.mktemp("large") / "enwik8"
     with open(path, "wb") as f:
         f.write(HEADER)
@@ -225,7 +226,8 @@ def large_enwik(tmp_path_factory) -> Path:
                 b"  <page>\n    <title>P%d</title>\n    <text>%s</text>\n  </page>\n" % (i, words)
             )
         f.write(b"</mediawiki>\n")
-    return path
+    yield path
+    path.unlink()
 
 
 @pytest.mark.parametrize("kind, piece", [("enwik", sources.TEXT_PIECE_BYTES), ("text", 8 << 20)])
