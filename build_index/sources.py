@@ -1,5 +1,13 @@
 """Corpus sources for build-index: enwik8/9, the Python stdlib, text files, folders, JSONL, Parquet
-and Hugging Face datasets. Each yields documents in a fixed order, as (label, text) pairs."""
+and Hugging Face datasets. Each yields documents in a fixed order, as (label, text) pairs.
+
+Every source is streamed, so memory stays flat however large the corpus: the enwik XML is read in
+chunks of ENWIK_CHUNK_BYTES and split at its ``  <page>`` markers; JSON lines one line at a time;
+Parquet by record batches; Hugging Face datasets by iterating them. A text file (alone or in a folder)
+of up to TEXT_PIECE_BYTES is one document, labelled with its name; a larger one is read in pieces of at
+most TEXT_PIECE_BYTES, each cut after its last newline (at the piece boundary if it has none, moved
+back to the start of a UTF-8 character), and each piece is one document labelled ``name@offset``.
+"""
 
 from __future__ import annotations
 
@@ -41,6 +49,11 @@ TEXT_SUFFIXES = {
     ".gz",
 }
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4", ".7z")
+ENWIK_CHUNK_BYTES = 16 << 20
+ENWIK_HEADER_BYTES = 1 << 20  # the XML before the first page; enwik's is about 1 KB
+TEXT_PIECE_BYTES = 64 << 20
+PAGE_MARKER = b"  <page>"
+LABEL_FIELDS = ("title", "path", "url", "id")
 
 Document = tuple[str, "str | bytes"]
 
@@ -120,24 +133,19 @@ class Source:
                     yield document, done
                 done += f.stat().st_size
                 continue
-            data = _read_file(f)
-            done += len(data)
-            yield (str(f.relative_to(self.path)), data), done
+            for document, end in _text_documents(f, str(f.relative_to(self.path))):
+                yield document, done + end
+            done += f.stat().st_size
 
     def _text_file(self):
-        data = _read_file(self.path)
-        yield (self.path.name, data), len(data)
+        yield from _text_documents(self.path, self.path.name)
 
     def _enwik_pages(self):
         """Split the Wikipedia XML dump into its <page> elements (the header is one document)."""
-        data = _read_file(self.path)
-        starts = [m.start() for m in re.finditer(rb"  <page>", data)]
-        bounds = [0, *starts, len(data)] if starts and starts[0] > 0 else [*starts, len(data)]
-        for a, b in zip(bounds, bounds[1:]):
-            page = data[a:b]
+        for start, page, end in _split_pages(self.path, ENWIK_CHUNK_BYTES):
             title = re.search(rb"<title>(.*?)</title>", page[:4096])
-            label = title.group(1).decode("utf-8", "replace") if title else f"{self.name}@{a}"
-            yield (label, page), b
+            label = title.group(1).decode("utf-8", "replace") if title else f"{self.name}@{start}"
+            yield (label, page), end
 
     def _jsonl(self):
         yield from self._jsonl_records(self.path)
@@ -175,22 +183,22 @@ class Source:
         text = record[self.text_field]
         if not isinstance(text, str):
             raise SourceError(f"{fallback}: field '{self.text_field}' is not a string")
-        label = next(
-            (str(record[k]) for k in ("title", "path", "url", "id") if k in record), fallback
-        )
+        label = next((str(record[k]) for k in LABEL_FIELDS if k in record), fallback)
         return label, text
 
     def _parquet(self):
         import pyarrow.parquet as pq
 
         table = pq.ParquetFile(self.path)
-        if self.text_field not in table.schema_arrow.names:
+        names = table.schema_arrow.names
+        if self.text_field not in names:
             raise SourceError(
                 f"{self.path}: no column '{self.text_field}'; choose one with --text-field "
-                f"(columns: {', '.join(table.schema_arrow.names)})"
+                f"(columns: {', '.join(names)})"
             )
+        columns = [c for c in dict.fromkeys((self.text_field, *LABEL_FIELDS)) if c in names]
         row = 0
-        for batch in table.iter_batches(batch_size=1024):
+        for batch in table.iter_batches(batch_size=1024, columns=columns):
             for record in batch.to_pylist():
                 row += 1
                 yield self._record(record, f"{self.path.name}:{row}"), 0
@@ -250,11 +258,75 @@ def _first_line(e: Exception) -> str:
     return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
-def _read_file(path: Path) -> bytes:
+def _split_pages(path: Path, chunk_bytes: int) -> Iterator[tuple[int, bytes, int]]:
+    """(start, bytes, end) of each document of an enwik file: the header before the first
+    PAGE_MARKER (when not empty), then each page up to the next marker or the end of the file.
+    Read ``chunk_bytes`` at a time; only the unfinished document is carried over, so memory is
+    a chunk plus the longest page."""
+    buf = bytearray()
+    start = 0  # file offset of buf[0], the start of the unfinished document
+    scan = 0  # where in buf the next marker may start
+    pages = False
     try:
-        return path.read_bytes()
+        with open(path, "rb") as f:
+            while chunk := f.read(chunk_bytes):
+                buf += chunk
+                while (cut := buf.find(PAGE_MARKER, scan)) >= 0:
+                    if cut:
+                        yield start, bytes(buf[:cut]), start + cut
+                    del buf[:cut]
+                    start, scan, pages = start + cut, len(PAGE_MARKER), True
+                scan = max(scan, len(buf) - len(PAGE_MARKER) + 1)
+                if not pages and len(buf) > ENWIK_HEADER_BYTES:
+                    break
     except OSError as e:
-        raise SourceError(f"cannot read {path}: {e.strerror}") from None
+        raise SourceError(f"cannot read {path}: {e.strerror or e}") from None
+    if not pages:
+        raise SourceError(
+            f"{path} is not a Wikipedia XML dump: no {PAGE_MARKER.decode()!r} in its first "
+            f"{len(buf):,} bytes"
+        )
+    yield start, bytes(buf), start + len(buf)
+
+
+def _text_documents(path: Path, label: str) -> Iterator[tuple[Document, int]]:
+    """A text file as one document, or in pieces labelled ``label@offset`` when it is larger
+    than TEXT_PIECE_BYTES; each with the file offset it ends at."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size <= TEXT_PIECE_BYTES:
+                data = f.read()
+                yield (label, data), len(data)
+                return
+            for offset, piece in _pieces(f, size, TEXT_PIECE_BYTES):
+                yield (f"{label}@{offset}", piece), offset + len(piece)
+    except OSError as e:
+        raise SourceError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def _pieces(f, size: int, piece_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """(offset, bytes) pieces of at most ``piece_bytes`` of a file of ``size`` bytes, each but the
+    last cut after its last newline, or at the end if it has none (not inside a UTF-8 character);
+    the next piece is read from the cut."""
+    offset = 0
+    while data := f.read(piece_bytes):
+        if offset + len(data) < size:
+            data = data[: data.rfind(b"\n") + 1 or _utf8_cut(data)]
+            f.seek(offset + len(data))
+        yield offset, data
+        offset += len(data)
+
+
+def _utf8_cut(data: bytes) -> int:
+    """``len(data)``, or the start of the UTF-8 character that the end of ``data`` splits."""
+    end = len(data)
+    for i in range(end - 1, max(end - 4, 0), -1):
+        lead = data[i]
+        if lead & 0xC0 != 0x80:  # not a continuation byte
+            length = 1 if lead < 0xC0 else 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+            return i if i + length > end else end
+    return end
 
 
 def resolve_source(spec: str, text_field: str = "text", download: bool = True) -> Source:
@@ -317,7 +389,7 @@ def fetch_enwik(name: str, download: bool = True) -> Path:
     tmp = target.with_suffix(".part")
     try:
         with zipfile.ZipFile(archive) as z, z.open(name) as member, open(tmp, "wb") as out:
-            while chunk := member.read(1 << 24):
+            while chunk := member.read(ENWIK_CHUNK_BYTES):
                 out.write(chunk)
     except (zipfile.BadZipFile, KeyError) as e:
         archive.unlink(missing_ok=True)
