@@ -34,11 +34,24 @@ class BuildError(Exception):
 
 
 def default_memory() -> int:
-    """Half of the memory this process may use: the RAM, or its cgroup's limit when lower."""
+    """Half of the memory this process may use: the RAM, or its memory cgroup's limit when
+    lower (cgroup v2 or v1)."""
     limit = psutil.virtual_memory().total
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        with suppress(OSError, ValueError):
-            limit = min(limit, int(Path(path).read_text().strip()))
+    with suppress(OSError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, group = line.split(":", 2)
+            if controllers == "":  # v2: the unified hierarchy, wherever it is mounted
+                files = [
+                    f"{root}{group}/memory.max"
+                    for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")
+                ]
+            elif "memory" in controllers.split(","):
+                files = [f"/sys/fs/cgroup/memory{group}/memory.limit_in_bytes"]
+            else:
+                continue
+            for name in files:
+                with suppress(OSError, ValueError):  # "max": no limit
+                    limit = min(limit, int(Path(name).read_text()))
     return limit // 2
 
 
@@ -65,7 +78,7 @@ class BuildConfig:
     shard_tokens: int = 1 << 25
     max_match: int = 32
     workers: int = 1
-    memory: int = 1 << 31
+    memory: int = field(default_factory=lambda: default_memory())
     force: bool = False
     text_field: str = "text"
     verify_samples: int = 16
@@ -290,7 +303,7 @@ def _features_pass(layout: Layout, catalog: Catalog, config: BuildConfig) -> Non
     _run_units(
         features.write_match_file,
         shards,
-        config.workers,
+        _sort_workers(layout, config),  # a shard's positions and features, in memory
         lambda result: catalog.put({unit_key("p3/shard", result[0]): {"tokens": result[1]}}),
     )
     catalog.put({"p3/done": {"jobs": len(catalog.get("p3/jobs"))}})
@@ -340,11 +353,13 @@ def _numbered_job(i, layout, firsts, spans, global_start):
     return i, features.features_job(layout, firsts, spans, global_start)
 
 
+WORKER_BYTES = 300 << 20  # a worker process before its work: Python, numpy, numba, teralm
+
+
 def _sort_workers(layout: Layout, config: BuildConfig) -> int:
     """How many shards the memory budget lets pass 2 sort at once (at most ``workers``)."""
-    need = prefix.SORT_BYTES_PER_TOKEN * (
-        min(layout.shard_tokens, layout.num_tokens) + layout.overlap
-    )
+    context = min(layout.shard_tokens, layout.num_tokens) + layout.overlap
+    need = prefix.SORT_BYTES_PER_TOKEN * context + WORKER_BYTES
     if need > config.memory:
         raise BuildError(
             f"sorting one shard needs about {need / 2**20:,.0f} MiB, more than --memory "
@@ -356,7 +371,8 @@ def _sort_workers(layout: Layout, config: BuildConfig) -> int:
 def _job_rows(layout: Layout, config: BuildConfig) -> int:
     """Entries per merge job: a quarter of the corpus per worker, at most what the memory
     budget gives each worker, and at least 4,096."""
-    per_worker = config.memory // (max(config.workers, 1) * features.job_bytes_per_row(layout))
+    workers = max(config.workers, 1)
+    per_worker = (config.memory // workers - WORKER_BYTES) // features.job_bytes_per_row(layout)
     return max(min(layout.num_tokens // (4 * max(config.workers, 1)), per_worker), 1 << 12)
 
 

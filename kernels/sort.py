@@ -88,29 +88,32 @@ def sort_shard_reference(
 
 
 @njit(cache=True)
-def _run_sizes(context, starts, n_overlap, order, cap, elem_bits, separator, lcp, depth, bucket):
-    """Per sorted entry: its key's real elements (``depth``, at most ``cap``), the elements it
-    shares with the previous entry's key (``lcp``; 0 at the first entry of a bucket) and its
-    bucket; returns the number of elements to store."""
-    total = 0
+def _run_sizes(
+    context, starts, n_overlap, order, cap, elem_bits, separator, lcp, depth, counts, stored
+):
+    """Per sorted entry: its key's real elements (``depth``, at most ``cap``) and the elements
+    it shares with the previous entry's key (``lcp``; 0 at the first entry of a bucket); per
+    bucket, its entries and the elements they store."""
+    previous = -1
     for r in range(len(order)):
         i = np.int64(order[r]) + n_overlap
         d = min(i - starts[i] + 1, cap)
         depth[r] = d
         second = np.int64(context[i - 1]) if d >= 2 else -1
         if elem_bits == 16:
-            bucket[r] = context[i]
+            bucket = np.int64(context[i])
         else:
-            bucket[r] = (np.int64(context[i]) << 8) | (second if d >= 2 else separator)
+            bucket = (np.int64(context[i]) << 8) | (second if d >= 2 else separator)
         common = 0
-        if r > 0 and bucket[r] == bucket[r - 1]:
+        if bucket == previous:
             prev = np.int64(order[r - 1]) + n_overlap
             limit = min(d, depth[r - 1])
             while common < limit and context[i - common] == context[prev - common]:
                 common += 1
         lcp[r] = common
-        total += d - common
-    return total
+        counts[bucket] += 1
+        stored[bucket] += d - common
+        previous = bucket
 
 
 @njit(cache=True)
@@ -166,18 +169,17 @@ def encode_run(
     _doc_start_of(len(context), np.asarray(doc_starts, dtype=np.int64), starts)
     lcp = np.empty(n, dtype=np.uint8)
     depth = np.empty(n, dtype=np.uint8)
-    bucket = np.empty(n, dtype=np.int64)
-    total = _run_sizes(
-        context, starts, n_overlap, order, cap, elem_bits, separator, lcp, depth, bucket
+    counts = np.zeros(1 << 16, dtype=np.int64)
+    stored = np.zeros(1 << 16, dtype=np.int64)
+    _run_sizes(
+        context, starts, n_overlap, order, cap, elem_bits, separator, lcp, depth, counts, stored
     )
     follow = np.empty(n, dtype=sort_dtype)
-    elements = np.empty(total, dtype=sort_dtype)
+    elements = np.empty(int(stored.sum()), dtype=sort_dtype)
     _fill_run(
         context, n_overlap, order, lcp, depth, starts, separator, last_follower, follow, elements
     )
-    counts = np.bincount(bucket, minlength=1 << 16)
-    stored = np.bincount(bucket, weights=depth.astype(np.int64) - lcp, minlength=1 << 16)
     index = np.zeros((2, (1 << 16) + 1), dtype=np.uint64)
     np.cumsum(counts, out=index[0, 1:])
-    np.cumsum(stored.astype(np.int64), out=index[1, 1:])
+    np.cumsum(stored, out=index[1, 1:])
     return {"lcp": lcp, "depth": depth, "follow": follow, "elements": elements, "starts": index}

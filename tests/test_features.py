@@ -172,10 +172,13 @@ def test_tiny_memory_budget_gives_identical_files(tmp_path):
     """A budget that cuts pass 3 into many small merge jobs changes no byte of the index."""
     from test_cli import content_files
 
+    from teralm.build_index.builder import WORKER_BYTES
+
     rng = np.random.default_rng(12)
     docs = random_documents(rng, 600, max_len=600)
     large = build_docs(tmp_path / "large", docs, shard_tokens=30_000)
-    small = build_docs(tmp_path / "small", docs, shard_tokens=30_000, memory=3 << 20)
+    memory = WORKER_BYTES + (3 << 20)  # 3 MiB for the work itself
+    small = build_docs(tmp_path / "small", docs, shard_tokens=30_000, memory=memory)
     catalogs = [Catalog(ix.directory / fmt.CATALOG, readonly=True) for ix in (large, small)]
     jobs = [len(c.get("p3/jobs")) for c in catalogs]
     for c in catalogs:

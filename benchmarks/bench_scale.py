@@ -1,0 +1,297 @@
+"""Index scale benchmark: a build inside a memory cgroup against an uncapped one, infini-gram on
+the same bytes in the same run, and query latency against the shard count.
+
+    pip install -e '.[bench]'          # infini-gram (and tokengrams, where it fits)
+    sudo python benchmarks/bench_scale.py [--small 1gb] [--big 4gb] [--cgroup 2G]
+        [--parts capped,identical,peers,shards] [--workers 2]
+
+Corpora are byte-level JSONL streams made from pydocs as in bench_build.py (``Ngb``/``Nmb``: about
+that many bytes of pydocs copies, each later copy with its lines shuffled). ``capped`` builds
+``--big`` inside a cgroup of ``--cgroup`` bytes (page cache included; cgroup v1 or v2, needs root)
+with ``--memory`` 3/4 of it, beside an uncapped build of ``--small``; ``identical`` builds ``--small``
+capped as well and compares every file; ``peers`` runs infini-gram's indexer on ``--small``;
+``shards`` builds ``--small`` with 1, 8 and 58 shards and times bench_query's lookups (32-byte
+contexts from pydocs documents, and random bytes). Prints tables and writes
+benchmarks/results/bench_scale.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+import numpy as np
+from bench_build import bench_infini_gram, corpus_bytes
+from bench_query import CONTEXT, latency
+from common import CACHE, PYDOCS, TERALM, run_measured, save, table
+
+WORK = CACHE / "scale"
+PYDOCS_BYTES = 61_737_119
+
+
+def make_corpus(name: str) -> Path:
+    """``name`` is like 1gb or 256mb: that many bytes (rounded to whole pydocs copies)."""
+    import gzip
+
+    size = float(name[:-2]) * (1 << 30 if name.endswith("gb") else 1 << 20)
+    copies = max(1, round(size / PYDOCS_BYTES))
+    path = WORK / name / "data" / f"{name}.jsonl"
+    if path.exists():
+        return path
+    with gzip.open(PYDOCS, "rt") as f:
+        docs = [json.loads(line)["text"] for line in f]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".part")
+    with open(tmp, "w") as out:
+        for copy in range(copies):
+            rng = np.random.default_rng(copy)
+            for i, text in enumerate(docs):
+                if copy:
+                    lines = text.split("\n")
+                    text = "\n".join(lines[j] for j in rng.permutation(len(lines)))
+                out.write(json.dumps({"id": copy * len(docs) + i, "text": text}) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+class MemoryCgroup:
+    """A memory cgroup of ``limit`` bytes (v2 when mounted, else v1); page cache counts."""
+
+    def __init__(self, limit: int):
+        v2, v1 = Path("/sys/fs/cgroup/cgroup.controllers"), Path("/sys/fs/cgroup/memory")
+        if v2.exists():
+            self.path, self.limit_file, self.peak_file = (
+                Path("/sys/fs/cgroup/teralm-bench"),
+                "memory.max",
+                "memory.peak",
+            )
+        elif v1.is_dir():
+            self.path, self.limit_file = v1 / "teralm-bench", "memory.limit_in_bytes"
+            self.peak_file = "memory.max_usage_in_bytes"
+        else:
+            sys.exit("no memory cgroup controller mounted")
+        self.path.mkdir(exist_ok=True)
+        (self.path / self.limit_file).write_text(str(limit))
+        if (self.path / "memory.max_usage_in_bytes").exists():
+            (self.path / "memory.max_usage_in_bytes").write_text("0")
+
+    def command(self, cmd: list[str]) -> list[str]:
+        """``cmd`` run inside the group (the shell joins it, then execs)."""
+        procs = self.path / "cgroup.procs"
+        return ["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", *cmd]
+
+    def peak(self) -> int:
+        peak = self.path / self.peak_file
+        return int(peak.read_text()) if peak.exists() else 0
+
+    def remove(self) -> None:
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
+@contextmanager
+def disk_peak(folder: Path):
+    """Track the largest size of ``folder`` (its files' allocated blocks) while the body runs."""
+    found = {"peak": 0}
+    done = threading.Event()
+
+    def poll():
+        while not done.wait(0.5):
+            total = 0
+            for p in folder.rglob("*") if folder.exists() else []:
+                with suppress(OSError):  # a file renamed or removed meanwhile
+                    total += p.stat().st_blocks * 512
+            found["peak"] = max(found["peak"], total)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
+        yield found
+    finally:
+        done.set()
+        thread.join()
+
+
+def teralm_build(jsonl: Path, out: Path, workers: int, *flags, cgroup: MemoryCgroup | None = None):
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [*TERALM, "build-index", str(jsonl), "--out", str(out), "--workers", str(workers)]
+    cmd += ["--quiet", *map(str, flags)]
+    with disk_peak(out) as disk:
+        run = run_measured(cgroup.command(cmd) if cgroup else cmd)
+    if run["returncode"]:
+        raise SystemExit(f"teralm build failed:\n{run['output']}")
+    m = json.loads((out / "manifest.json").read_text())
+    n = m["num_tokens"]
+    return {
+        **{k: run[k] for k in ("wall_s", "peak_rss")},
+        "tokens": n,
+        "ns_per_token": run["wall_s"] / n * 1e9,
+        "disk_peak_per_token": disk["peak"] / n,
+        "bytes_per_token": m["bytes_per_token"]["total"],
+        "passes": m["passes"],
+        "cgroup_peak": cgroup.peak() if cgroup else None,
+    }
+
+
+def capped_build(jsonl: Path, out: Path, limit: int, budget: str, workers: int, *flags) -> dict:
+    """``teralm_build`` inside a fresh memory cgroup of ``limit`` bytes, with ``--memory budget``."""
+    group = MemoryCgroup(limit)
+    try:
+        return teralm_build(jsonl, out, workers, "--memory", budget, *flags, cgroup=group)
+    finally:
+        group.remove()
+
+
+def file_hashes(index: Path) -> dict[str, str]:
+    names = [
+        p for p in sorted(index.iterdir()) if p.name.startswith(("shard-", "order.", "documents"))
+    ]
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in names}
+
+
+def query_rows(jsonl: Path, shard_counts: list[int], workers: int, contexts: int) -> list[dict]:
+    """Build ``jsonl`` with each shard count and time the lookups of the same contexts."""
+    from teralm.index import Index
+
+    rng = np.random.default_rng(0)
+    docs = []
+    with open(jsonl) as f:
+        for i, line in enumerate(f):
+            if i % 50 == 0:
+                docs.append(json.loads(line)["text"].encode())
+            if len(docs) >= 2000:
+                break
+    long_docs = [np.frombuffer(d, np.uint8) for d in docs if len(d) > CONTEXT]
+    sets = {"in-corpus": [], "random": []}
+    for _ in range(contexts):
+        d = long_docs[int(rng.integers(len(long_docs)))]
+        a = int(rng.integers(0, len(d) - CONTEXT))
+        sets["in-corpus"].append(d[a : a + CONTEXT].astype(np.int64))
+        sets["random"].append(rng.integers(32, 127, size=CONTEXT).astype(np.int64))
+    rows = []
+    n_bytes, _ = corpus_bytes(jsonl)
+    for count in shard_counts:
+        out = WORK / f"shards-{count}"
+        shard_tokens = -(-n_bytes // count)
+        teralm_build(jsonl, out, workers, "--shard-tokens", shard_tokens)
+        ix = Index.open(out)
+        ix.next_token_distribution([[1, 2, 3]])  # compile and warm up
+        for name, batch in sets.items():
+            ix.next_token_distribution(batch)  # touch the pages once
+            shards = len(ix.manifest["shards"])
+            rows.append(
+                {"shards": shards, "contexts": name, **latency(ix.next_token_distribution, batch)}
+            )
+        del ix
+        shutil.rmtree(out)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", default="1gb")
+    parser.add_argument("--big", default="4gb")
+    parser.add_argument("--cgroup", default="2G", help="memory of the capped build's cgroup")
+    parser.add_argument("--parts", default="capped,identical,peers,shards")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--contexts", type=int, default=5000)
+    parser.add_argument(
+        "--shard-tokens", type=int, default=1 << 23, help="for the builds but the shard sweep"
+    )
+    args = parser.parse_args()
+    from teralm.build_index.builder import parse_size
+
+    parts = args.parts.split(",")
+    shards = ("--shard-tokens", args.shard_tokens)
+    limit = parse_size(args.cgroup)
+    budget = f"{limit * 3 // 4 >> 20}M"
+    small = make_corpus(args.small)
+    results: dict = {"small": args.small, "big": args.big, "cgroup": limit, "memory": budget}
+    results["shard_tokens"] = args.shard_tokens
+    rows = []
+    if {"capped", "identical"} & set(parts):
+        rows.append(
+            {
+                "run": f"{args.small} uncapped",
+                **teralm_build(small, WORK / "small", args.workers, *shards),
+            }
+        )
+    if "identical" in parts:
+        row = capped_build(small, WORK / "small-capped", limit, budget, args.workers, *shards)
+        row["identical"] = file_hashes(WORK / "small-capped") == file_hashes(WORK / "small")
+        rows.append({"run": f"{args.small} in {args.cgroup} cgroup", **row})
+        shutil.rmtree(WORK / "small-capped")
+    shutil.rmtree(WORK / "small", ignore_errors=True)  # disk for the big build
+    if "capped" in parts:
+        row = capped_build(
+            make_corpus(args.big), WORK / "big", limit, budget, args.workers, *shards
+        )
+        rows.append({"run": f"{args.big} in {args.cgroup} cgroup", **row})
+        shutil.rmtree(WORK / "big")
+    if "peers" in parts:
+        peer = bench_infini_gram(small, WORK / "infini-gram", args.workers)
+        n = corpus_bytes(small)[0]
+        rows.append(
+            {
+                "run": f"{args.small} infini-gram",
+                "wall_s": peer["wall_s"],
+                "peak_rss": peer["peak_rss"],
+                "ns_per_token": peer["wall_s"] / n * 1e9,
+                "bytes_per_token": peer["bytes_per_token"].get("total"),
+            }
+        )
+        shutil.rmtree(WORK / "infini-gram", ignore_errors=True)
+    for r in rows:
+        r["peak_gib"] = r["peak_rss"] / 2**30
+        r["cgroup_gib"] = (r.get("cgroup_peak") or 0) / 2**30
+    results["builds"] = rows
+    print(f"\nbuilds ({args.workers} workers; capped runs use --memory {budget})")
+    print(
+        table(
+            rows,
+            [
+                ("run", "run", "s"),
+                ("wall_s", "wall s", ".1f"),
+                ("ns_per_token", "ns/token", ".0f"),
+                ("peak_gib", "peak RSS GiB", ".2f"),
+                ("cgroup_gib", "cgroup peak GiB", ".2f"),
+                ("disk_peak_per_token", "peak disk B/tok", ".1f"),
+                ("bytes_per_token", "B/tok", ".2f"),
+            ],
+        )
+    )
+    for r in rows:
+        if "identical" in r:
+            print(f"  {r['run']}: byte-identical to the uncapped build: {r['identical']}")
+    if "shards" in parts:
+        results["queries"] = query_rows(small, [1, 8, 58], args.workers, args.contexts)
+        print(f"\nqueries on {args.small}: {args.contexts} contexts of {CONTEXT} bytes per set")
+        print(
+            table(
+                results["queries"],
+                [
+                    ("shards", "shards", "d"),
+                    ("contexts", "contexts", "s"),
+                    ("p50_us", "p50 µs", ".1f"),
+                    ("p99_us", "p99 µs", ".0f"),
+                    ("batched_per_s", "batched ctx/s", ",.0f"),
+                ],
+            )
+        )
+    print(f"\nwrote {save('bench_scale', results)}")
+
+
+if __name__ == "__main__":
+    main()
