@@ -10,11 +10,12 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import suppress
-from dataclasses import dataclass, field
+from contextlib import contextmanager, suppress
+from contextvars import ContextVar
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import psutil
@@ -83,9 +84,10 @@ class BuildConfig:
     text_field: str = "text"
     verify_samples: int = 16
     progress: bool = True
+    cluster: str | None = None  # a Ray cluster's address: the units run there as its tasks
 
     def params(self, fingerprint: str) -> dict:
-        """What decides the index's content (workers, memory and progress do not)."""
+        """What decides the index's content (workers, memory, progress and cluster do not)."""
         return {
             "format": fmt.FORMAT_VERSION,
             "source": self.source,
@@ -160,14 +162,36 @@ def _worker_init(build_pid: int) -> None:
         os._exit(1)
 
 
+_cluster_runner: ContextVar[Callable | None] = ContextVar("cluster_runner", default=None)
+
+
+@contextmanager
+def _units_on_cluster(address: str | None) -> Iterator[None]:
+    """Within the block, ``_run_units`` hands the units to the Ray cluster at ``address``, if any
+    (connected before any work, so an unreachable cluster fails at once)."""
+    if address is None:
+        yield
+        return
+    from teralm.build_index import cluster  # Ray only when asked for
+
+    with cluster.connect(address) as runner:
+        token = _cluster_runner.set(runner)
+        try:
+            yield
+        finally:
+            _cluster_runner.reset(token)
+
+
 def _run_units(fn: Callable, args: Iterable[tuple], workers: int, on_done: Callable) -> None:
-    """Run ``fn(*a)`` for each ``a`` in-process or on a pool, calling ``on_done(result)`` in order of
-    completion (in the parent, which alone writes the catalog).
+    """Run ``fn(*a)`` for each ``a`` in-process, on a pool or on the cluster, calling
+    ``on_done(result)`` in order of completion (in the parent, which alone writes the catalog).
 
     A worker's exception is raised here as itself. On any error the workers are killed at once:
     their unfinished units are not recorded, so the next run does them again.
     """
     args = list(args)
+    if (on_cluster := _cluster_runner.get()) is not None:
+        return on_cluster(fn, args, workers, on_done)
     if workers <= 1 or len(args) <= 1:
         for a in args:
             on_done(fn(*a))
@@ -204,6 +228,8 @@ def build(config: BuildConfig) -> BuildResult:
     """Build (or resume, or confirm) the index described by ``config``."""
     kind, vocab = parse_tokenizer_spec(config.tokenizer)
     _check_flags(config)
+    if config.cluster is not None:  # the same path on every machine of the shared filesystem
+        config = replace(config, out=config.out.absolute())
     source = resolve_source(config.source, config.text_field)
     _prepare_out(config)
     out = config.out
@@ -213,7 +239,8 @@ def build(config: BuildConfig) -> BuildResult:
         _check_params(catalog, params, out)
         if (out / fmt.MANIFEST).exists():
             return BuildResult(fmt.read_manifest(out), [])
-        return _build_passes(config, source, kind, vocab, catalog, params)
+        with _units_on_cluster(config.cluster):
+            return _build_passes(config, source, kind, vocab, catalog, params)
     finally:
         catalog.close()
 

@@ -47,6 +47,13 @@ def _add_build_args(p: argparse.ArgumentParser) -> None:
         help="positions checked against brute force at the end",
     )
     p.add_argument("--force", action="store_true", help="replace a different index in --out")
+    p.add_argument(
+        "--cluster",
+        metavar="ADDRESS",
+        help="run the sort and feature jobs as tasks of the Ray cluster at ADDRESS (its head's "
+        "host:port, or auto); --out must be on a filesystem that every node shares, at the same "
+        "path, and --workers is how many jobs run at once (needs pip install teralm[cluster])",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -89,6 +96,7 @@ def _run_build(args: argparse.Namespace, prog: str) -> int:
         text_field=args.text_field,
         verify_samples=args.verify_samples,
         progress=not args.quiet,
+        cluster=args.cluster,
     )
     began = time.perf_counter()
     try:
