@@ -286,6 +286,10 @@ def _build_passes(config, source, kind, vocab, catalog, params) -> BuildResult:
         config.max_match,
     )
 
+    if layout.num_shards > 1 << 16:
+        raise BuildError(
+            f"{layout.num_shards:,} shards are more than 65,536; give a larger --shard-tokens"
+        )
     with measure(stats[1]):
         todo = [
             (layout, k)
@@ -346,12 +350,13 @@ def _merge_jobs(layout: Layout, catalog: Catalog, config: BuildConfig) -> None:
         jobs = features.split_jobs(starts, _job_rows(layout, config))
         catalog.put({"p3/jobs": jobs})
     spans = features.run_spans(layout, jobs)
+    chunk = _chunk_rows(layout, config)
     todo = [
-        (i, spans[i], int(starts[b0]))
+        (i, spans[i], int(starts[b0]), chunk)
         for i, (b0, _) in enumerate(jobs)
         if catalog.get(unit_key("p3/job", i)) is None
     ]
-    remaining = sum(int(starts[jobs[i][1]] - starts[jobs[i][0]]) for i, _, _ in todo)
+    remaining = sum(int(starts[jobs[i][1]] - starts[jobs[i][0]]) for i, *_ in todo)
     with tqdm(
         total=layout.num_tokens,
         initial=layout.num_tokens - remaining,
@@ -376,8 +381,8 @@ def _merge_jobs(layout: Layout, catalog: Catalog, config: BuildConfig) -> None:
     catalog.put({"p3/merged": {"jobs": len(jobs)}})
 
 
-def _numbered_job(i, layout, firsts, spans, global_start):
-    return i, features.features_job(layout, firsts, spans, global_start)
+def _numbered_job(i, layout, firsts, spans, global_start, chunk):
+    return i, features.features_job(layout, firsts, spans, global_start, chunk)
 
 
 WORKER_BYTES = 300 << 20  # a worker process before its work: Python, numpy, numba, teralm
@@ -385,7 +390,7 @@ WORKER_BYTES = 300 << 20  # a worker process before its work: Python, numpy, num
 
 def _sort_workers(layout: Layout, config: BuildConfig) -> int:
     """How many shards the memory budget lets pass 2 sort at once (at most ``workers``)."""
-    context = min(layout.shard_tokens, layout.num_tokens) + layout.overlap
+    context = min(layout.shard_tokens + layout.overlap, layout.num_tokens)
     need = prefix.SORT_BYTES_PER_TOKEN * context + WORKER_BYTES
     if need > config.memory:
         raise BuildError(
@@ -396,11 +401,17 @@ def _sort_workers(layout: Layout, config: BuildConfig) -> int:
 
 
 def _job_rows(layout: Layout, config: BuildConfig) -> int:
-    """Entries per merge job: a quarter of the corpus per worker, at most what the memory
-    budget gives each worker, and at least 4,096."""
-    workers = max(config.workers, 1)
-    per_worker = (config.memory // workers - WORKER_BYTES) // features.job_bytes_per_row(layout)
-    return max(min(layout.num_tokens // (4 * max(config.workers, 1)), per_worker), 1 << 12)
+    """Entries per merge job: a quarter of the corpus per worker, between 2^12 and 2^26 (a
+    job's memory does not depend on its size; see ``_chunk_rows``)."""
+    return min(max(layout.num_tokens // (4 * max(config.workers, 1)), 1 << 12), 1 << 26)
+
+
+def _chunk_rows(layout: Layout, config: BuildConfig) -> int:
+    """Entries a merge job reads from each shard at a time: what the memory budget leaves each
+    worker, over the shards (at least 16)."""
+    per_worker = config.memory // max(config.workers, 1) - WORKER_BYTES
+    rows = per_worker // (2 * features.job_bytes_per_row(layout) * layout.num_shards)
+    return max(int(rows), 16)
 
 
 def _finalize(

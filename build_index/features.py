@@ -103,79 +103,213 @@ def run_spans(layout: Layout, jobs: list[tuple[int, int]]) -> np.ndarray:
     return spans
 
 
-def _merged_keys(layout: Layout, spans: np.ndarray):
-    """The job's entries of every shard, one run per shard: keys, depth, follower, position."""
-    elem_bits, depth_cap = layout.elem_bits, layout.sort_depth
-    run_starts = np.cumsum([0] + [hi - lo for lo, hi, _, _ in spans.tolist()]).astype(np.int64)
-    rows = int(run_starts[-1])
-    keys = np.empty((rows, km.key_words(depth_cap, elem_bits)), dtype=np.uint64)
-    depth = np.empty(rows, dtype=np.uint8)
-    follow = np.empty(rows, dtype=layout.sort_dtype)
-    pos = np.empty(rows, dtype=np.int64)
-    for k, (lo, hi, e0, e1) in enumerate(spans.tolist()):
-        if hi == lo:
-            continue
-        r = slice(run_starts[k], run_starts[k + 1])
-        run = read_run(layout, k, lo, hi, e0, e1)
-        km.decode_run(
+SWEEP_COLUMNS = {  # what the forward sweep leaves the backward one, per entry
+    "pos": np.int64,
+    "follower": np.int32,
+    "lcp": np.uint8,
+    "shard": np.uint16,
+    "token": np.int32,
+    "best_len": np.uint8,
+    "best_pos": np.int64,
+    "best_tok": np.int32,
+}
+
+
+class _RunReader:
+    """One shard's entries of a job, read and decoded ``chunk`` entries at a time."""
+
+    def __init__(self, layout: Layout, k: int, span, chunk: int):
+        self.layout, self.k, self.chunk = layout, k, chunk
+        self.next, self.stop, self.element = int(span[0]), int(span[1]), int(span[2])
+        self.words = km.key_words(layout.sort_depth, layout.elem_bits)
+        self.current = np.zeros(self.words * 64 // layout.elem_bits, dtype=np.int64)
+        self.keys = np.empty((0, self.words), dtype=np.uint64)
+        self.depth = np.empty(0, dtype=np.uint8)
+        self.follow = np.empty(0, dtype=layout.sort_dtype)
+        self.pos = np.empty(0, dtype=np.int64)
+
+    @property
+    def more_on_disk(self) -> bool:
+        return self.next < self.stop
+
+    def fill(self) -> None:
+        """Top the buffer up to ``chunk`` entries."""
+        take = min(self.chunk - len(self.pos), self.stop - self.next)
+        if take <= 0:
+            return
+        layout, lo = self.layout, self.next
+        run = read_run(layout, self.k, lo, lo + take, self.element)
+        keys = np.empty((take, self.words), dtype=np.uint64)
+        self.element += km.decode_run(
             run["lcp"],
             run["depth"],
             run["elements"],
             layout.separator,
-            elem_bits,
-            depth_cap,
-            keys[r],
+            layout.elem_bits,
+            layout.sort_depth,
+            self.current,
+            keys,
         )
-        depth[r], follow[r] = run["depth"], run["follow"]
-        prefix = np.memmap(layout.path(k, "prefix"), dtype=fmt.PREFIX_DTYPE, mode="r")
-        pos[r] = np.asarray(prefix[lo:hi], dtype=np.int64) + layout.shard_start(k)
+        prefix = np.memmap(layout.path(self.k, "prefix"), dtype=fmt.PREFIX_DTYPE, mode="r")
+        pos = np.asarray(prefix[lo : lo + take], dtype=np.int64) + layout.shard_start(self.k)
         del prefix
-    return keys, depth, follow, pos, run_starts
+        new = (keys, run["depth"], run["follow"], pos)
+        if len(self.pos):
+            new = tuple(np.concatenate(pair) for pair in zip(self.buffers, new))
+        self.keys, self.depth, self.follow, self.pos = new
+        self.next += take
+
+    @property
+    def buffers(self) -> tuple[np.ndarray, ...]:
+        return self.keys, self.depth, self.follow, self.pos
+
+    def take(self, count: int) -> tuple[np.ndarray, ...]:
+        """Remove and return the first ``count`` buffered entries."""
+        parts = (self.keys[:count], self.depth[:count], self.follow[:count], self.pos[:count])
+        self.keys, self.depth = self.keys[count:], self.depth[count:]
+        self.follow, self.pos = self.follow[count:], self.pos[count:]
+        return parts
+
+
+def _merge_round(readers: list[_RunReader]):
+    """The next entries of the merged order that no entry still on disk can precede: every
+    buffered entry up to the smallest last buffered entry of a reader with more to read.
+    Returns their keys, depth, follow, pos and shard, and the merged order of those rows (None
+    when done)."""
+    for r in readers:
+        r.fill()
+    live = [r for r in readers if len(r.pos)]
+    if not live:
+        return None
+    waiting = [r for r in live if r.more_on_disk]
+    counts = [len(r.pos) for r in live]
+    if waiting:
+        bound = min(waiting, key=lambda r: (tuple(r.keys[-1]), r.k))
+        counts = [km.count_not_above(r.keys, r.k, bound.keys[-1], bound.k) for r in live]
+    parts = [r.take(c) + (np.full(c, r.k, dtype=np.uint16),) for r, c in zip(live, counts)]
+    if len(parts) == 1:
+        return *parts[0], np.arange(counts[0])
+    keys, depth, follow, pos, shard = (np.concatenate(p) for p in zip(*parts))
+    return keys, depth, follow, pos, shard, km.merge_sorted(keys, np.cumsum([0, *counts]))
 
 
 def features_job(
-    layout: Layout, firsts: FirstOccurrences, spans: np.ndarray, global_start: int
+    layout: Layout, firsts: FirstOccurrences, spans: np.ndarray, global_start: int, chunk: int
 ) -> int:
     """Merge the entries in ``spans`` (a row of ``run_spans``: one range per shard), write
     their slice of the global order (it starts at rank ``global_start``) and their features.
 
-    Returns the number of positions.
+    Streamed: the merge goes forwards ``chunk`` entries per shard at a time, writing the order
+    and what the forward sweep found for each entry (``SWEEP_COLUMNS``), which the backward
+    sweep then reads from the end. Those stay in memory up to ``chunk`` per shard and go to
+    work files beyond that, so memory does not grow with the job. Returns the number of
+    positions.
     """
+    readers = [
+        _RunReader(layout, k, span, chunk) for k, span in enumerate(spans) if span[1] > span[0]
+    ]
+    budget = chunk * max(len(readers), 1)
+    work = {
+        name: Path(layout.directory) / f"pass3-{global_start:012d}.tmp-{name}"
+        for name in SWEEP_COLUMNS
+    }
+    try:
+        columns = _forward(layout, readers, global_start, work, budget)
+        _backward(layout, firsts, spans, columns, budget)
+        return len(columns["pos"])
+    finally:
+        for path in work.values():
+            path.unlink(missing_ok=True)
+
+
+def _forward(layout: Layout, readers, global_start: int, work: dict, budget: int) -> dict:
+    """The merge and the forward sweep: the order's slice, and SWEEP_COLUMNS (in memory, or
+    mapped from the ``work`` files when there are more than ``budget`` entries)."""
     cap, elem_bits = layout.max_match, layout.elem_bits
-    keys, depth, follow, pos, run_starts = _merged_keys(layout, spans)
-    rows = len(pos)
-    order = km.merge_sorted(keys, run_starts)
-    lcp = np.minimum(km.adjacent_lcp(keys, depth, order, elem_bits), cap)
-    first_words = keys[order, 0]
-    del keys
-    token = (first_words >> np.uint64(64 - elem_bits)).astype(np.int64)
-    _write_order(layout, global_start, pos[order], follow[order], first_words)
-    del first_words
-    follower = follow.astype(np.int32)
-    follower[follow == layout.separator] = -1
-    pos, follower = pos[order], follower[order]
-    length, next_pos, next_tok = km.sweep_features(pos, follower, lcp, cap)
-    del lcp, follower
+    lows, state = km.sweep_state(cap)
+    done, last, kept, spilled = 0, None, [], False
+    while (merged := _merge_round(readers)) is not None:
+        keys, depth, follow, pos, shard, order = merged
+        n = len(order)
+        lcp = km.adjacent_lcp(keys, depth, order, elem_bits)
+        if last is not None:
+            lcp[0] = km.row_lcp(last[0], last[1], keys[order[0]], depth[order[0]], elem_bits)
+        last = (keys[order[-1]].copy(), depth[order[-1]])
+        first_words = keys[order, 0]
+        del keys
+        pos, follow, shard = pos[order], follow[order], shard[order]
+        _write_order(layout, global_start + done, pos, follow, first_words)
+        follower = follow.astype(np.int32)
+        follower[follow == layout.separator] = -1
+        best = (np.zeros(n, np.int64), np.full(n, km.INF, np.int64), np.zeros(n, np.int64))
+        km.sweep_chunk(pos, follower, lcp, cap, lows, state, *best)
+        token = first_words >> np.uint64(64 - elem_bits)
+        block = dict(zip(SWEEP_COLUMNS, (pos, follower, lcp, shard, token, *best)))
+        kept.append(
+            {name: block[name].astype(dtype, copy=False) for name, dtype in SWEEP_COLUMNS.items()}
+        )
+        done += n
+        if done > budget:  # from now on, to the work files
+            for name in SWEEP_COLUMNS:
+                with open(work[name], "ab") as f:
+                    for part in kept:
+                        f.write(part[name].tobytes())
+            kept, spilled = [], True
+    if not spilled:
+        if len(kept) == 1:
+            return kept[0]
+        return {
+            name: np.concatenate([part[name] for part in kept] or [np.zeros(0, dtype)])
+            for name, dtype in SWEEP_COLUMNS.items()
+        }
+    return {
+        name: np.memmap(work[name], dtype=dtype, mode="r") for name, dtype in SWEEP_COLUMNS.items()
+    }
 
-    # One-token matches may lie in another bucket: take them from the first-occurrence table.
-    short = length <= 1
-    length[short] = firsts.first[token[short]] < pos[short]
-    has_next = np.where(short, firsts.first_f[token] < pos, next_pos < km.INF) & (length > 0)
-    len_byte = np.empty(rows, dtype=np.uint8)
-    len_byte[order] = length | np.where(has_next, 0, fmt.NO_FOLLOWER_BIT)
-    next_row = np.empty(rows, dtype=np.int64)
-    next_row[order] = np.where(has_next, np.where(short, firsts.first_tok[token], next_tok), 0)
 
-    # Rows of run k are shard k's sorted entries lo..hi: store them in that order.
+def _backward(layout: Layout, firsts, spans: np.ndarray, columns: dict, chunk: int) -> None:
+    """The backward sweep over the forward sweep's columns, from the last entry, then the
+    features of each entry, written in the shards' sorted order."""
+    cap, rows = layout.max_match, len(columns["pos"])
+    lows, state = km.sweep_state(cap)
+    ends = spans[:, 1].copy()  # per shard: the sorted entry after the last one written
+    after = 0  # the LCP of the row visited just before a chunk (the one after it) with its last
+    for stop in range(rows, 0, -chunk):
+        part = slice(max(0, stop - chunk), stop)
+        r = {name: np.ascontiguousarray(columns[name][part][::-1]) for name in SWEEP_COLUMNS}
+        h = np.concatenate([[after], r["lcp"][:-1]]).astype(np.uint8)
+        after = int(r["lcp"][-1])
+        pos, token = r["pos"], r["token"].astype(np.int64)
+        length, best_pos, best_tok = (
+            r["best_len"].astype(np.int64),
+            r["best_pos"],
+            r["best_tok"].astype(np.int64),
+        )
+        km.sweep_chunk(pos, r["follower"], h, cap, lows, state, length, best_pos, best_tok)
+        # One-token matches may lie in another bucket: take them from the first-occurrence table.
+        short = length <= 1
+        length[short] = firsts.first[token[short]] < pos[short]
+        has_next = np.where(short, firsts.first_f[token] < pos, best_pos < km.INF) & (length > 0)
+        len_byte = (length | np.where(has_next, 0, fmt.NO_FOLLOWER_BIT)).astype(np.uint8)
+        next_tok = np.where(has_next, np.where(short, firsts.first_tok[token], best_tok), 0)
+        _write_sorted_features(layout, r["shard"], ends, len_byte, next_tok)
+
+
+def _write_sorted_features(layout: Layout, shard, ends, len_byte, next_tok) -> None:
+    """Features of rows visited backwards: each shard's rows are the entries just before
+    ``ends[k]`` of its sorted order, the last first (``ends`` moves down past them)."""
     width = np.dtype(layout.token_dtype).itemsize
-    for k, (lo, hi, _, _) in enumerate(spans.tolist()):
-        if hi == lo:
-            continue
-        r = slice(run_starts[k], run_starts[k + 1])
+    order = np.argsort(shard, kind="stable")
+    for group in np.split(order, np.flatnonzero(np.diff(shard[order])) + 1):
+        k = int(shard[group[0]])
+        lo = int(ends[k]) - len(group)
+        ends[k] = lo
+        rows = group[::-1]  # back to the sorted order
         n = layout.sizes[k]
-        pieces = [(lo, len_byte[r]), (n + lo * width, next_row[r].astype(layout.token_dtype))]
-        fmt.write_at(sorted_features_path(layout, k), pieces)
-    return rows
+        next_rows = next_tok[rows].astype(layout.token_dtype)
+        fmt.write_at(
+            sorted_features_path(layout, k), [(lo, len_byte[rows]), (n + lo * width, next_rows)]
+        )
 
 
 def _write_order(layout: Layout, start: int, pos, follow, first_words) -> None:

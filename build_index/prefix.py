@@ -55,22 +55,16 @@ def run_index(layout: Layout, k: int) -> np.ndarray:
     return np.fromfile(layout.path(k, "runidx"), dtype="<u8").reshape(2, fmt.NUM_BUCKETS + 1)
 
 
-def read_run(layout: Layout, k: int, lo: int, hi: int, e0: int, e1: int) -> dict[str, np.ndarray]:
-    """Entries ``[lo, hi)`` of shard ``k``'s run, whose stored elements are ``[e0, e1)``, read
-    with one sequential read of each part they occupy."""
+def read_run(layout: Layout, k: int, lo: int, hi: int, e0: int) -> dict[str, np.ndarray]:
+    """Entries ``[lo, hi)`` of shard ``k``'s run, whose stored elements start at ``e0``: one
+    sequential read of each part they occupy."""
     n, width = layout.sizes[k], layout.sort_dtype.itemsize
-    path = layout.path(k, "run")
-    base = {"lcp": 0, "depth": n, "follow": 2 * n, "elements": (2 + width) * n}
-    parts = {
-        "lcp": (base["lcp"] + lo, hi - lo, np.uint8),
-        "depth": (base["depth"] + lo, hi - lo, np.uint8),
-        "follow": (base["follow"] + lo * width, hi - lo, layout.sort_dtype),
-        "elements": (base["elements"] + e0 * width, e1 - e0, layout.sort_dtype),
-    }
-    with open(path, "rb") as f:
-        return {
-            name: _read(f, offset, count, dtype) for name, (offset, count, dtype) in parts.items()
-        }
+    with open(layout.path(k, "run"), "rb") as f:
+        run = {"lcp": _read(f, lo, hi - lo, np.uint8), "depth": _read(f, n + lo, hi - lo, np.uint8)}
+        stored = int(run["depth"].sum(dtype=np.int64) - run["lcp"].sum(dtype=np.int64))
+        run["follow"] = _read(f, 2 * n + lo * width, hi - lo, layout.sort_dtype)
+        run["elements"] = _read(f, (2 + width) * n + e0 * width, stored, layout.sort_dtype)
+    return run
 
 
 def _read(f, offset: int, count: int, dtype) -> np.ndarray:

@@ -106,64 +106,107 @@ def merge_sorted(keys, run_starts):
     return order
 
 
+@njit(cache=True, inline="always")
+def _common_words(x, y, elem_bits):
+    """Leading key elements that the packed keys ``x`` and ``y`` (rows of words) share."""
+    per_word = 64 // elem_bits
+    mask = np.uint64((1 << elem_bits) - 1)
+    common = 0
+    for w in range(len(x)):
+        d = x[w] ^ y[w]
+        if d == 0:
+            common += per_word
+            continue
+        for e in range(per_word):
+            if (d >> np.uint64((per_word - 1 - e) * elem_bits)) & mask:
+                break
+            common += 1
+        break
+    return common
+
+
 @njit(cache=True)
 def adjacent_lcp(keys, depth, order, elem_bits):
     """``lcp[m]`` = common real-token prefix of keys ``order[m-1]`` and ``order[m]`` (lcp[0] = 0)."""
-    per_word = 64 // elem_bits
-    mask = np.uint64((1 << elem_bits) - 1)
     lcp = np.zeros(len(order), dtype=np.uint8)
     for m in range(1, len(order)):
-        a = order[m - 1]
-        b = order[m]
-        common = 0
-        for w in range(keys.shape[1]):
-            x = keys[a, w] ^ keys[b, w]
-            if x == 0:
-                common += per_word
-                continue
-            for e in range(per_word):
-                shift = np.uint64((per_word - 1 - e) * elem_bits)
-                if (x >> shift) & mask:
-                    break
-                common += 1
-            break
-        lcp[m] = min(common, depth[a], depth[b])
+        a, b = order[m - 1], order[m]
+        lcp[m] = min(_common_words(keys[a], keys[b], elem_bits), depth[a], depth[b])
     return lcp
 
 
 @njit(cache=True)
-def _sweep(pos, follower, lcp, cap, backward, best_len, best_pos, best_tok):
-    """One direction of the sweep; combines into best_* (max length, then smallest follower pos)."""
-    low = np.full(cap + 1, INF, dtype=np.int64)
-    low_f = np.full(cap + 1, INF, dtype=np.int64)
-    low_tok = np.zeros(cap + 1, dtype=np.int64)
-    top = 0
-    m_count = len(pos)
-    for step in range(m_count):
-        i = m_count - 1 - step if backward else step
+def row_lcp(x, x_depth, y, y_depth, elem_bits):
+    """Common real-token prefix of two packed keys (one row each) of ``x_depth`` and ``y_depth``
+    real elements."""
+    return min(_common_words(x, y, elem_bits), x_depth, y_depth)
+
+
+@njit(cache=True)
+def count_not_above(keys, run, bound, bound_run):
+    """How many of the sorted rows of ``keys`` (all of run ``run``) come before or at the row
+    ``bound`` of run ``bound_run`` in merged order (keys first, then the run)."""
+    a, b = 0, len(keys)
+    while a < b:
+        mid = (a + b) >> 1
+        above = False
+        decided = False
+        for w in range(keys.shape[1]):
+            if keys[mid, w] != bound[w]:
+                above = keys[mid, w] > bound[w]
+                decided = True
+                break
+        if not decided:
+            above = run > bound_run
+        if above:
+            b = mid
+        else:
+            a = mid + 1
+    return a
+
+
+def sweep_state(cap: int) -> tuple[np.ndarray, np.ndarray]:
+    """The state of one direction of the sweep before its first row: per level the smallest
+    position (and with a follower, and that follower) since the LCP last fell below it, and
+    (rows seen, top level, previous position, previous follower)."""
+    lows = np.zeros((3, cap + 1), dtype=np.int64)
+    lows[:2] = INF
+    return lows, np.array([0, 0, 0, -1], dtype=np.int64)
+
+
+@njit(cache=True)
+def sweep_chunk(pos, follower, h, cap, lows, state, best_len, best_pos, best_tok):
+    """One direction of the sweep over rows in the order it visits them; combines into best_*
+    (max length, then smallest follower position). ``h[i]`` is the LCP of row ``i`` with the row
+    visited just before it (for ``i = 0``: the previous chunk's last row). ``lows`` and
+    ``state`` (see ``sweep_state``) carry on from chunk to chunk."""
+    low, low_f, low_tok = lows[0], lows[1], lows[2]
+    top = state[1]
+    for i in range(len(pos)):
         t = pos[i]
-        h = 0
-        if step > 0:
-            prev = i + 1 if backward else i - 1
-            h = np.int64(lcp[i + 1] if backward else lcp[i])
-            for lev in range(h + 1, top + 1):
+        level = 0
+        if state[0] > 0:
+            level = min(np.int64(h[i]), cap)
+            for lev in range(level + 1, top + 1):
                 low[lev] = INF
                 low_f[lev] = INF
-            top = h
+            top = level
             # low[] and low_f[] are non-decreasing in the level: fold p in from the top down.
-            p = pos[prev]
-            lev = h
+            p = state[2]
+            lev = level
             while lev >= 1 and low[lev] > p:
                 low[lev] = p
                 lev -= 1
-            if follower[prev] >= 0:
-                lev = h
+            if state[3] >= 0:
+                lev = level
                 while lev >= 1 and low_f[lev] > p:
                     low_f[lev] = p
-                    low_tok[lev] = follower[prev]
+                    low_tok[lev] = state[3]
                     lev -= 1
-        # largest level <= h whose smallest position is before t (binary search)
-        length, hi = 0, h
+        state[0] += 1
+        state[2], state[3] = t, follower[i]
+        # largest level <= the LCP whose smallest position is before t (binary search)
+        length, hi = 0, level
         while length < hi:
             mid = (length + hi + 1) // 2
             if low[mid] < t:
@@ -178,23 +221,25 @@ def _sweep(pos, follower, lcp, cap, backward, best_len, best_pos, best_tok):
         if low_f[length] < t and low_f[length] < best_pos[i]:
             best_pos[i] = low_f[length]
             best_tok[i] = low_tok[length]
+    state[1] = top
 
 
-@njit(cache=True)
 def sweep_features(pos, follower, lcp, cap):
     """Longest earlier match length, and the follower token of its smallest such position.
 
-    ``pos``, ``follower`` and ``lcp`` are in merged (sorted) order. Returns ``(length, next_pos,
-    next_tok)`` in the same order; ``next_pos`` is INF when no position achieving the length has
-    a follower.
+    ``pos``, ``follower`` (-1 for none) and ``lcp`` (with the previous row) are in merged
+    (sorted) order. Returns ``(length, next_pos, next_tok)`` in the same order; ``next_pos`` is
+    INF when no position achieving the length has a follower.
     """
     n = len(pos)
     best_len = np.zeros(n, dtype=np.int64)
     best_pos = np.full(n, INF, dtype=np.int64)
     best_tok = np.zeros(n, dtype=np.int64)
-    _sweep(pos, follower, lcp, cap, False, best_len, best_pos, best_tok)
-    _sweep(pos, follower, lcp, cap, True, best_len, best_pos, best_tok)
-    return best_len, best_pos, best_tok
+    sweep_chunk(pos, follower, lcp, cap, *sweep_state(cap), best_len, best_pos, best_tok)
+    back = [np.ascontiguousarray(a[::-1]) for a in (best_len, best_pos, best_tok)]
+    h = np.append(lcp[1:], 0)[::-1].copy()  # visited backwards: the LCP with the row after
+    sweep_chunk(pos[::-1].copy(), follower[::-1].copy(), h, cap, *sweep_state(cap), *back)
+    return tuple(a[::-1].copy() for a in back)
 
 
 @njit(cache=True)
@@ -279,12 +324,13 @@ def brute_force_features(tokens: np.ndarray, doc_ids: np.ndarray, cap: int):
 
 
 @njit(cache=True)
-def decode_run(lcp, depth, elements, separator, elem_bits, cap, keys):
+def decode_run(lcp, depth, elements, separator, elem_bits, cap, current, keys):
     """Keys of front-coded entries (``kernels.sort.encode_run``'s ``lcp``, ``depth`` and
-    ``elements``, starting at a bucket's first entry) into rows of ``keys``: the real elements,
-    then the separator when there are fewer than ``cap``; returns the elements used."""
+    ``elements``) into rows of ``keys``: the real elements, then the separator when there are
+    fewer than ``cap``; returns the elements used. ``current`` holds the key elements of the
+    entry before the first (whatever they are at a bucket's first entry) and is left holding
+    the last entry's, so that decoding can go on from there."""
     per_word = 64 // elem_bits
-    current = np.zeros(keys.shape[1] * per_word, dtype=np.int64)
     e = 0
     for r in range(len(lcp)):
         d = np.int64(depth[r])
