@@ -375,7 +375,7 @@ def _merge_jobs(layout: Layout, catalog: Catalog, config: BuildConfig) -> None:
         _run_units(
             _numbered_job,
             [(i, layout, firsts, *job) for i, *job in todo],
-            config.workers,
+            _merge_workers(layout, config),
             job_done,
         )
     catalog.put({"p3/merged": {"jobs": len(jobs)}})
@@ -406,10 +406,20 @@ def _job_rows(layout: Layout, config: BuildConfig) -> int:
     return min(max(layout.num_tokens // (4 * max(config.workers, 1)), 1 << 12), 1 << 26)
 
 
+MIN_CHUNK = 4096  # entries a merge job reads from a shard at a time, at least (disk reads)
+
+
+def _merge_workers(layout: Layout, config: BuildConfig) -> int:
+    """How many merge jobs the memory budget lets run at once (at most ``workers``): each
+    needs a worker and chunks of MIN_CHUNK entries of every shard."""
+    need = WORKER_BYTES + 2 * features.job_bytes_per_row(layout) * layout.num_shards * MIN_CHUNK
+    return max(1, min(config.workers, config.memory // need))
+
+
 def _chunk_rows(layout: Layout, config: BuildConfig) -> int:
     """Entries a merge job reads from each shard at a time: what the memory budget leaves each
-    worker, over the shards (at least 16)."""
-    per_worker = config.memory // max(config.workers, 1) - WORKER_BYTES
+    of the merge workers, over the shards (at least 16, for a budget below MIN_CHUNK's)."""
+    per_worker = config.memory // _merge_workers(layout, config) - WORKER_BYTES
     rows = per_worker // (2 * features.job_bytes_per_row(layout) * layout.num_shards)
     return max(int(rows), 16)
 

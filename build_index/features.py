@@ -2,12 +2,12 @@
 and the global sorted order that queries search.
 
 The work is split by key bucket (leading 16 bits of the reversed context): a job takes a range of
-buckets, reads that range of every shard's front-coded keys (pass 2's ``.run``, a few sequential
-reads per shard), merges them (S-way, O(log S) per entry), writes its slice of the global order
+buckets, reads that range of every shard's front-coded keys (pass 2's ``.run``, sequentially, a
+chunk at a time), merges them (S-way, O(log S) per entry), writes its slice of the global order
 and sweeps it forwards and backwards (see teralm.kernels.match). Jobs write disjoint parts of
 the order files and of the shards' work files, so they run in any order and in parallel; a job
-that was cut short is simply run again. Nothing reads tokens at random: memory is set by the job
-size, whatever the corpus size.
+that was cut short is simply run again. Nothing reads tokens at random, and a job's memory is set
+by its chunk size, whatever the size of the corpus or of the job.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ class FirstOccurrences:
 
 
 def job_bytes_per_row(layout: Layout) -> int:
-    """Peak memory of a features job per merged entry (measured, rounded up)."""
+    """Memory of a features job per buffered entry: its key words, plus the other arrays of
+    the merge and the sweeps (about 100 bytes, rounded up)."""
     return 8 * km.key_words(layout.sort_depth, layout.elem_bits) + 128
 
 
