@@ -145,11 +145,17 @@ def teralm_build(jsonl: Path, out: Path, workers: int, *flags, cgroup: MemoryCgr
     }
 
 
+def report(row: dict) -> dict:
+    """Print a finished build's row at once (the tables come at the end)."""
+    print(json.dumps({k: v for k, v in row.items() if k != "passes"}), flush=True)
+    return row
+
+
 def capped_build(jsonl: Path, out: Path, limit: int, budget: str, workers: int, *flags) -> dict:
     """``teralm_build`` inside a fresh memory cgroup of ``limit`` bytes, with ``--memory budget``."""
     group = MemoryCgroup(limit)
     try:
-        return teralm_build(jsonl, out, workers, "--memory", budget, *flags, cgroup=group)
+        return report(teralm_build(jsonl, out, workers, "--memory", budget, *flags, cgroup=group))
     finally:
         group.remove()
 
