@@ -27,29 +27,33 @@ COPIES_1GB = 16
 
 def make_corpora(sizes: list[str]) -> dict[str, Path]:
     """JSONL files (one per corpus, each alone in a folder, as infini-gram wants)."""
+    corpora = {}
+    for name in sizes:
+        corpora[name] = CACHE / name / "data" / f"{name}.jsonl"
+        write_copies(corpora[name], 1 if name == "pydocs" else COPIES_1GB)
+    return corpora
+
+
+def write_copies(path: Path, copies: int) -> None:
+    """``path``: ``copies`` copies of pydocs as JSONL, each after the first with the lines of
+    every document in another order (kept when it exists)."""
+    if path.exists():
+        return
     if not PYDOCS.exists():
         sys.exit(f"{PYDOCS} not found: the benchmark reads the team's shared data folder")
     with gzip.open(PYDOCS, "rt") as f:
         docs = [json.loads(line)["text"] for line in f]
-    corpora = {}
-    for name in sizes:
-        path = CACHE / name / "data" / f"{name}.jsonl"
-        corpora[name] = path
-        if path.exists():
-            continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".part")
-        with open(tmp, "w") as out:
-            copies = 1 if name == "pydocs" else COPIES_1GB
-            for copy in range(copies):
-                rng = np.random.default_rng(copy)
-                for i, text in enumerate(docs):
-                    if copy:  # each later copy with its lines in another order
-                        lines = text.split("\n")
-                        text = "\n".join(lines[j] for j in rng.permutation(len(lines)))
-                    out.write(json.dumps({"id": copy * len(docs) + i, "text": text}) + "\n")
-        os.replace(tmp, path)
-    return corpora
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".part")
+    with open(tmp, "w") as out:
+        for copy in range(copies):
+            rng = np.random.default_rng(copy)
+            for i, text in enumerate(docs):
+                if copy:  # each later copy with its lines in another order
+                    lines = text.split("\n")
+                    text = "\n".join(lines[j] for j in rng.permutation(len(lines)))
+                out.write(json.dumps({"id": copy * len(docs) + i, "text": text}) + "\n")
+    os.replace(tmp, path)
 
 
 def corpus_bytes(jsonl: Path) -> tuple[int, int]:

@@ -29,9 +29,9 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import numpy as np
-from bench_build import bench_infini_gram, corpus_bytes
+from bench_build import bench_infini_gram, corpus_bytes, write_copies
 from bench_query import CONTEXT, latency
-from common import CACHE, PYDOCS, TERALM, run_measured, save, table
+from common import CACHE, TERALM, run_measured, save, table
 
 WORK = CACHE / "scale"
 PYDOCS_BYTES = 61_737_119
@@ -39,26 +39,9 @@ PYDOCS_BYTES = 61_737_119
 
 def make_corpus(name: str) -> Path:
     """``name`` is like 1gb or 256mb: that many bytes (rounded to whole pydocs copies)."""
-    import gzip
-
     size = float(name[:-2]) * (1 << 30 if name.endswith("gb") else 1 << 20)
-    copies = max(1, round(size / PYDOCS_BYTES))
     path = WORK / name / "data" / f"{name}.jsonl"
-    if path.exists():
-        return path
-    with gzip.open(PYDOCS, "rt") as f:
-        docs = [json.loads(line)["text"] for line in f]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".part")
-    with open(tmp, "w") as out:
-        for copy in range(copies):
-            rng = np.random.default_rng(copy)
-            for i, text in enumerate(docs):
-                if copy:
-                    lines = text.split("\n")
-                    text = "\n".join(lines[j] for j in rng.permutation(len(lines)))
-                out.write(json.dumps({"id": copy * len(docs) + i, "text": text}) + "\n")
-    os.replace(tmp, path)
+    write_copies(path, max(1, round(size / PYDOCS_BYTES)))
     return path
 
 

@@ -79,7 +79,7 @@ class BuildConfig:
     shard_tokens: int = 1 << 25
     max_match: int = 32
     workers: int = 1
-    memory: int = field(default_factory=lambda: default_memory())
+    memory: int = field(default_factory=default_memory)
     force: bool = False
     text_field: str = "text"
     verify_samples: int = 16

@@ -128,6 +128,7 @@ class _RunReader:
         self.depth = np.empty(0, dtype=np.uint8)
         self.follow = np.empty(0, dtype=layout.sort_dtype)
         self.pos = np.empty(0, dtype=np.int64)
+        self.prefix = np.memmap(layout.path(k, "prefix"), dtype=fmt.PREFIX_DTYPE, mode="r")
 
     @property
     def more_on_disk(self) -> bool:
@@ -151,9 +152,7 @@ class _RunReader:
             self.current,
             keys,
         )
-        prefix = np.memmap(layout.path(self.k, "prefix"), dtype=fmt.PREFIX_DTYPE, mode="r")
-        pos = np.asarray(prefix[lo : lo + take], dtype=np.int64) + layout.shard_start(self.k)
-        del prefix
+        pos = np.asarray(self.prefix[lo : lo + take], dtype=np.int64) + layout.shard_start(self.k)
         new = (keys, run["depth"], run["follow"], pos)
         if len(self.pos):
             new = tuple(np.concatenate(pair) for pair in zip(self.buffers, new))
