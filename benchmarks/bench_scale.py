@@ -223,25 +223,26 @@ def main() -> None:
         rows.append({"run": f"{args.small} in {args.cgroup} cgroup", **row})
         shutil.rmtree(WORK / "small-capped")
     shutil.rmtree(WORK / "small", ignore_errors=True)  # disk for the big build
+    if "peers" in parts:
+        peer = bench_infini_gram(small, WORK / "infini-gram", args.workers)
+        n = corpus_bytes(small)[0]
+        row = {
+            "run": f"{args.small} infini-gram",
+            "wall_s": peer["wall_s"],
+            "peak_rss": peer["peak_rss"],
+            "ns_per_token": peer["wall_s"] / n * 1e9,
+            "bytes_per_token": peer["bytes_per_token"].get("total"),
+        }
+        rows.append(report(row))
+        shutil.rmtree(WORK / "infini-gram", ignore_errors=True)
+    if "shards" not in parts:  # disk for the big build (it needs about 15 bytes per token)
+        shutil.rmtree(small.parent.parent)
     if "capped" in parts:
         row = capped_build(
             make_corpus(args.big), WORK / "big", limit, budget, args.workers, *shards
         )
         rows.append({"run": f"{args.big} in {args.cgroup} cgroup", **row})
         shutil.rmtree(WORK / "big")
-    if "peers" in parts:
-        peer = bench_infini_gram(small, WORK / "infini-gram", args.workers)
-        n = corpus_bytes(small)[0]
-        rows.append(
-            {
-                "run": f"{args.small} infini-gram",
-                "wall_s": peer["wall_s"],
-                "peak_rss": peer["peak_rss"],
-                "ns_per_token": peer["wall_s"] / n * 1e9,
-                "bytes_per_token": peer["bytes_per_token"].get("total"),
-            }
-        )
-        shutil.rmtree(WORK / "infini-gram", ignore_errors=True)
     for r in rows:
         r["peak_gib"] = r["peak_rss"] / 2**30
         r["cgroup_gib"] = (r.get("cgroup_peak") or 0) / 2**30

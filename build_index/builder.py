@@ -385,19 +385,32 @@ def _numbered_job(i, layout, firsts, spans, global_start, chunk):
     return i, features.features_job(layout, firsts, spans, global_start, chunk)
 
 
-WORKER_BYTES = 300 << 20  # a worker process before its work: Python, numpy, numba, teralm
+WORKER_BYTES = 200 << 20  # a process before its work: Python, numpy, numba, teralm (~130 MB)
+
+
+def _work_memory(config: BuildConfig, workers: int) -> int:
+    """What the budget leaves each of ``workers`` worker processes for its work, beside the
+    main process and the workers' own WORKER_BYTES."""
+    return (config.memory - WORKER_BYTES) // workers - WORKER_BYTES
 
 
 def _sort_workers(layout: Layout, config: BuildConfig) -> int:
     """How many shards the memory budget lets pass 2 sort at once (at most ``workers``)."""
     context = min(layout.shard_tokens + layout.overlap, layout.num_tokens)
-    need = prefix.SORT_BYTES_PER_TOKEN * context + WORKER_BYTES
-    if need > config.memory:
+    need = prefix.SORT_BYTES_PER_TOKEN * context
+    if need > _work_memory(config, 1):
         raise BuildError(
-            f"sorting one shard needs about {need / 2**20:,.0f} MiB, more than --memory "
-            f"{config.memory / 2**20:,.0f} MiB; give a smaller --shard-tokens or more --memory"
+            f"sorting one shard needs about {(need + 2 * WORKER_BYTES) / 2**20:,.0f} MiB, more "
+            f"than --memory {config.memory / 2**20:,.0f} MiB; give a smaller --shard-tokens or "
+            "more --memory"
         )
-    return max(1, min(config.workers, config.memory // need))
+    return _workers_for(config, need)
+
+
+def _workers_for(config: BuildConfig, need: int) -> int:
+    """The most workers (at most ``config.workers``, at least one) that each get ``need``."""
+    fits = [w for w in range(1, config.workers + 1) if _work_memory(config, w) >= need]
+    return max(fits, default=1)
 
 
 def _job_rows(layout: Layout, config: BuildConfig) -> int:
@@ -406,22 +419,26 @@ def _job_rows(layout: Layout, config: BuildConfig) -> int:
     return min(max(layout.num_tokens // (4 * max(config.workers, 1)), 1 << 12), 1 << 26)
 
 
-MIN_CHUNK = 4096  # entries a merge job reads from a shard at a time, at least (disk reads)
+MIN_CHUNK = 2048  # entries a merge job reads from a shard at a time, at least (disk reads)
+
+
+def _merge_bytes_per_chunk_row(layout: Layout) -> int:
+    """A merge job's memory per entry of its per-shard chunk: every shard's buffered entries,
+    and the copies a merge round makes of them."""
+    return 2 * features.job_bytes_per_row(layout) * layout.num_shards
 
 
 def _merge_workers(layout: Layout, config: BuildConfig) -> int:
     """How many merge jobs the memory budget lets run at once (at most ``workers``): each
     needs a worker and chunks of MIN_CHUNK entries of every shard."""
-    need = WORKER_BYTES + 2 * features.job_bytes_per_row(layout) * layout.num_shards * MIN_CHUNK
-    return max(1, min(config.workers, config.memory // need))
+    return _workers_for(config, _merge_bytes_per_chunk_row(layout) * MIN_CHUNK)
 
 
 def _chunk_rows(layout: Layout, config: BuildConfig) -> int:
     """Entries a merge job reads from each shard at a time: what the memory budget leaves each
     of the merge workers, over the shards (at least 16, for a budget below MIN_CHUNK's)."""
-    per_worker = config.memory // _merge_workers(layout, config) - WORKER_BYTES
-    rows = per_worker // (2 * features.job_bytes_per_row(layout) * layout.num_shards)
-    return max(int(rows), 16)
+    work = _work_memory(config, _merge_workers(layout, config))
+    return max(work // _merge_bytes_per_chunk_row(layout), 16)
 
 
 def _finalize(

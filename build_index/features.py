@@ -54,7 +54,7 @@ def local_doc_bits(layout: Layout, offsets: np.ndarray, k: int) -> np.ndarray:
 def make_plan(layout: Layout) -> tuple[FirstOccurrences, np.ndarray]:
     """One sequential scan of the corpus for the first-occurrence tables, and ``starts``
     [bucket + 1]: where each bucket starts in the global order (from pass 2's run indexes)."""
-    stream, offsets = layout.stream(), layout.offsets()
+    offsets = layout.offsets()
     vocab = max(layout.vocab_size, 256)
     first = np.full(vocab, km.INF, dtype=np.int64)
     first_f = np.full(vocab, km.INF, dtype=np.int64)
@@ -62,11 +62,10 @@ def make_plan(layout: Layout) -> tuple[FirstOccurrences, np.ndarray]:
     starts = np.zeros(BUCKETS + 1, dtype=np.int64)
     for k in range(layout.num_shards):
         starts += run_index(layout, k)[0].astype(np.int64)
-        stop = layout.shard_start(k) + layout.sizes[k]
-        after = stream[stop : stop + 1]
+        last = k + 1 == layout.num_shards  # nothing follows it
         km.first_occurrences(
-            stream.shard(k),
-            after if len(after) else np.zeros(1, stream.dtype),
+            layout.read_tokens(k),
+            np.zeros(1, layout.token_dtype) if last else layout.read_tokens(k + 1, 0, 1),
             layout.shard_start(k),
             local_doc_bits(layout, offsets, k),
             first,
@@ -128,7 +127,6 @@ class _RunReader:
         self.depth = np.empty(0, dtype=np.uint8)
         self.follow = np.empty(0, dtype=layout.sort_dtype)
         self.pos = np.empty(0, dtype=np.int64)
-        self.prefix = np.memmap(layout.path(k, "prefix"), dtype=fmt.PREFIX_DTYPE, mode="r")
 
     @property
     def more_on_disk(self) -> bool:
@@ -152,7 +150,7 @@ class _RunReader:
             self.current,
             keys,
         )
-        pos = np.asarray(self.prefix[lo : lo + take], dtype=np.int64) + layout.shard_start(self.k)
+        pos = run["prefix"].astype(np.int64) + layout.shard_start(self.k)
         new = (keys, run["depth"], run["follow"], pos)
         if len(self.pos):
             new = tuple(np.concatenate(pair) for pair in zip(self.buffers, new))
@@ -214,17 +212,25 @@ def features_job(
         for name in SWEEP_COLUMNS
     }
     try:
-        columns = _forward(layout, readers, global_start, work, budget)
-        _backward(layout, firsts, spans, columns, budget)
-        return len(columns["pos"])
+        rows, columns = _forward(layout, readers, global_start, work, budget)
+        _backward(layout, firsts, spans, rows, columns, budget)
+        # Its many small writes are flushed once, before the job may be recorded as done.
+        for path in [layout.order_path(kind) for kind in ("positions", "follow", "keys")] + [
+            sorted_features_path(layout, r.k) for r in readers
+        ]:
+            fmt.fsync_path(path)
+        return rows
     finally:
         for path in work.values():
             path.unlink(missing_ok=True)
 
 
-def _forward(layout: Layout, readers, global_start: int, work: dict, budget: int) -> dict:
-    """The merge and the forward sweep: the order's slice, and SWEEP_COLUMNS (in memory, or
-    mapped from the ``work`` files when there are more than ``budget`` entries)."""
+def _forward(
+    layout: Layout, readers, global_start: int, work: dict, budget: int
+) -> tuple[int, dict]:
+    """The merge and the forward sweep: writes the order's slice, and returns its number of
+    entries and their SWEEP_COLUMNS (arrays, or the ``work`` files when there are more than
+    ``budget`` entries)."""
     cap, elem_bits = layout.max_match, layout.elem_bits
     lows, state = km.sweep_state(cap)
     done, last, kept, spilled = 0, None, [], False
@@ -255,28 +261,36 @@ def _forward(layout: Layout, readers, global_start: int, work: dict, budget: int
                     for part in kept:
                         f.write(part[name].tobytes())
             kept, spilled = [], True
-    if not spilled:
-        if len(kept) == 1:
-            return kept[0]
-        return {
-            name: np.concatenate([part[name] for part in kept] or [np.zeros(0, dtype)])
-            for name, dtype in SWEEP_COLUMNS.items()
-        }
-    return {
-        name: np.memmap(work[name], dtype=dtype, mode="r") for name, dtype in SWEEP_COLUMNS.items()
+    if spilled:
+        return done, work
+    return done, {
+        name: np.concatenate([part[name] for part in kept] or [np.zeros(0, dtype)])
+        for name, dtype in SWEEP_COLUMNS.items()
     }
 
 
-def _backward(layout: Layout, firsts, spans: np.ndarray, columns: dict, chunk: int) -> None:
+def _column_rows(columns: dict, name: str, a: int, b: int) -> np.ndarray:
+    """Entries ``[a, b)`` of a SWEEP_COLUMNS column, from memory or read from its work file
+    (not mapped: the pages of a mapping count in the RSS once the sweep has read them)."""
+    column = columns[name]
+    if not isinstance(column, Path):
+        return column[a:b]
+    dtype = np.dtype(SWEEP_COLUMNS[name])
+    return np.fromfile(column, dtype=dtype, count=b - a, offset=a * dtype.itemsize)
+
+
+def _backward(
+    layout: Layout, firsts, spans: np.ndarray, rows: int, columns: dict, chunk: int
+) -> None:
     """The backward sweep over the forward sweep's columns, from the last entry, then the
     features of each entry, written in the shards' sorted order."""
-    cap, rows = layout.max_match, len(columns["pos"])
+    cap = layout.max_match
     lows, state = km.sweep_state(cap)
     ends = spans[:, 1].copy()  # per shard: the sorted entry after the last one written
     after = 0  # the LCP of the row visited just before a chunk (the one after it) with its last
     for stop in range(rows, 0, -chunk):
-        part = slice(max(0, stop - chunk), stop)
-        r = {name: np.ascontiguousarray(columns[name][part][::-1]) for name in SWEEP_COLUMNS}
+        a = max(0, stop - chunk)
+        r = {name: _column_rows(columns, name, a, stop)[::-1].copy() for name in SWEEP_COLUMNS}
         h = np.concatenate([[after], r["lcp"][:-1]]).astype(np.uint8)
         after = int(r["lcp"][-1])
         pos, token = r["pos"], r["token"].astype(np.int64)
@@ -308,7 +322,9 @@ def _write_sorted_features(layout: Layout, shard, ends, len_byte, next_tok) -> N
         n = layout.sizes[k]
         next_rows = next_tok[rows].astype(layout.token_dtype)
         fmt.write_at(
-            sorted_features_path(layout, k), [(lo, len_byte[rows]), (n + lo * width, next_rows)]
+            sorted_features_path(layout, k),
+            [(lo, len_byte[rows]), (n + lo * width, next_rows)],
+            sync=False,
         )
 
 
@@ -317,13 +333,15 @@ def _write_order(layout: Layout, start: int, pos, follow, first_words) -> None:
     sampled key words."""
     width = layout.order_width
     packed = pos.astype("<u8").view(np.uint8).reshape(-1, 8)[:, :width]
-    fmt.write_at(layout.order_path("positions"), [(start * width, np.ascontiguousarray(packed))])
-    fmt.write_at(layout.order_path("follow"), [(start * follow.itemsize, follow)])
+    packed = np.ascontiguousarray(packed)
+    fmt.write_at(layout.order_path("positions"), [(start * width, packed)], sync=False)
+    fmt.write_at(layout.order_path("follow"), [(start * follow.itemsize, follow)], sync=False)
     sample = fmt.KEY_SAMPLE
     first = -(-start // sample)  # the first sampled rank at or after start
     words = first_words[first * sample - start :: sample].astype(fmt.KEY_DTYPE)
     if len(words):
-        fmt.write_at(layout.order_path("keys"), [(first * fmt.KEY_DTYPE.itemsize, words)])
+        offset = first * fmt.KEY_DTYPE.itemsize
+        fmt.write_at(layout.order_path("keys"), [(offset, words)], sync=False)
 
 
 def sorted_features_path(layout: Layout, k: int):
@@ -359,7 +377,7 @@ def create_work_files(layout: Layout) -> None:
     for k, n in enumerate(layout.sizes):
         if not layout.path(k, "match").exists():
             _sparse(sorted_features_path(layout, k), n * width)
-    fmt.fsync_dir(Path(layout.directory))  # the jobs recorded in the catalog live in these files
+    fmt.fsync_path(Path(layout.directory))  # the jobs recorded in the catalog live in these files
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

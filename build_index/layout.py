@@ -70,6 +70,14 @@ class Layout:
             Path(self.directory), self.shard_tokens, list(self.sizes), self.token_dtype
         )
 
+    def read_tokens(self, k: int, a: int = 0, b: int | None = None) -> np.ndarray:
+        """Tokens ``[a, b)`` of shard ``k``, read into memory (not mapped: pages of a mapping
+        count in the process's RSS for as long as it lives)."""
+        b = self.sizes[k] if b is None else b
+        dtype = np.dtype(self.token_dtype)
+        path = self.path(k, "tokens")
+        return np.fromfile(path, dtype=dtype, count=b - a, offset=a * dtype.itemsize)
+
     def offsets(self) -> np.ndarray:
         return np.fromfile(Path(self.directory) / fmt.DOCUMENT_OFFSETS, dtype=fmt.OFFSET_DTYPE)
 

@@ -15,7 +15,7 @@ from teralm.index.reader import decode_features, open_match
 from teralm.kernels import match as km
 
 COMPARE_LIMIT = 4096
-BRUTE_FORCE_WINDOW = 1 << 28  # sampled positions lie in the first 2^28 tokens (memory, time)
+BRUTE_FORCE_WINDOW = 1 << 26  # sampled positions lie in the first 2^26 tokens (memory, time)
 
 
 def file_checksums(layout: Layout, progress: bool) -> tuple[list[dict], dict]:
@@ -126,9 +126,9 @@ def check_features(layout: Layout, samples: int, rng: np.random.Generator) -> li
     if samples <= 0:
         return []
     positions = np.unique(rng.integers(0, min(n, BRUTE_FORCE_WINDOW), size=samples))
-    stream = layout.stream()
-    x = stream[0 : min(n, int(positions.max()) + 2)]
-    bits = km.doc_start_bits(layout.offsets(), n)
+    x = layout.stream()[0 : min(n, int(positions.max()) + 2)]
+    offsets = layout.offsets()
+    bits = km.doc_start_bits(np.append(offsets[offsets < len(x)], len(x)), len(x))
     # room for every value the token dtype holds: a damaged token must not index past the end
     valid = np.zeros(
         max(layout.vocab_size + 1, 1 << 8 * np.dtype(layout.token_dtype).itemsize), np.bool_

@@ -127,15 +127,18 @@ def write_atomic(path: Path, data) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
-def write_at(path: Path, pieces: Iterable[tuple[int, object]], create: bool = False) -> None:
+def write_at(
+    path: Path, pieces: Iterable[tuple[int, object]], create: bool = False, sync: bool = True
+) -> None:
     """Write each ``(offset, data)`` piece (bytes or a numpy array) into ``path``, then fsync.
 
     Every byte is on disk when this returns, or it raises OSError naming ``path``: a short write
     (a disk that fills up part way through a piece) is continued, and that raises ENOSPC.
-    ``create`` makes a new, empty file first.
+    ``create`` makes a new, empty file first. ``sync=False`` leaves the fsync to the caller
+    (``fsync_path``), for many small writes into the same files.
     """
     flags = os.O_WRONLY | (os.O_CREAT | os.O_TRUNC if create else 0)
     try:
@@ -146,7 +149,8 @@ def write_at(path: Path, pieces: Iterable[tuple[int, object]], create: bool = Fa
                 while view:
                     written = os.pwrite(fd, view, offset)
                     view, offset = view[written:], offset + written
-            os.fsync(fd)
+            if sync:
+                os.fsync(fd)
         finally:
             os.close(fd)
     except OSError as e:
@@ -160,9 +164,9 @@ def _as_bytes(data):
     return data
 
 
-def fsync_dir(directory: Path) -> None:
-    """Make a rename inside ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """Flush ``path`` to disk: a file's data, or a directory's entries (a rename inside it)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

@@ -107,7 +107,7 @@ def test_random_shards_and_documents_match_brute_force(tmp_path, seed):
     rng = np.random.default_rng(100 + seed)
     docs = random_documents(rng, int(rng.integers(2, 20)), max_len=int(rng.integers(3, 150)))
     shard = int(rng.integers(1, 120))
-    memory = {"memory": WORKER_BYTES + (100 << 10)} if seed % 2 else {}
+    memory = {"memory": 2 * WORKER_BYTES + (100 << 10)} if seed % 2 else {}
     max_match = int(rng.integers(1, 70))
     ix = build_docs(tmp_path, docs, shard_tokens=shard, max_match=max_match, **memory)
     assert len(ix.stream.sizes) == -(-ix.num_tokens // shard)
@@ -182,7 +182,7 @@ def test_tiny_memory_budget_gives_identical_files(tmp_path):
     rng = np.random.default_rng(12)
     docs = random_documents(rng, 600, max_len=600)
     large = build_docs(tmp_path / "large", docs, shard_tokens=30_000)
-    memory = WORKER_BYTES + 28 * 100_000  # what sorting needs: chunks of ~1,500 entries per shard
+    memory = 2 * WORKER_BYTES + 28 * 100_000  # what sorting needs: chunks of ~1,500 entries per shard
     small = build_docs(tmp_path / "small", docs, shard_tokens=30_000, memory=memory)
     assert content_files(large.directory) == content_files(small.directory)
     assert large.manifest["order"] == small.manifest["order"]
