@@ -1,9 +1,10 @@
-"""build-index on a Ray cluster against a local build with the same cores: the first MB of pydocs,
-byte-level, built with ``--workers 2`` locally and with ``--workers 2 --cluster ADDRESS`` on two Ray
-nodes of 1 CPU each on this machine (``ray.cluster_utils``). Checks that both give the same files.
+"""build-index on a Ray cluster against a local build with the same cores: the first MB of pydocs
+(above its 62 MB, copies of it with shuffled lines, as in bench_scale), byte-level, built with
+``--workers 2`` locally and with ``--workers 2 --cluster ADDRESS`` on two Ray nodes of 1 CPU each
+on this machine (``ray.cluster_utils``). Checks that both give the same files.
 
     pip install -e '.[cluster]'
-    python benchmarks/bench_cluster.py [--mb 8,62] [--shard-tokens 2097152]
+    python benchmarks/bench_cluster.py [--mb 8,62,1000] [--shard-tokens 2097152]
 
 Prints a table and writes benchmarks/results/bench_cluster.json. Wall times are of the whole
 ``build-index`` command (the cluster's: connecting and starting its workers included, starting the
@@ -21,16 +22,23 @@ import sys
 import time
 from pathlib import Path
 
+from bench_build import write_copies
+from bench_scale import PYDOCS_BYTES
 from common import CACHE, PYDOCS, TERALM, run_measured, save, table
+
+from teralm.index.format import sha256_file
 
 STORE_BYTES = 200 << 20
 
 
 def make_corpus(mb: int) -> Path:
-    """The first pydocs documents that add up to ``mb`` MB of text, as JSONL."""
+    """The first pydocs documents that add up to ``mb`` MB of text, as JSONL; above pydocs'
+    size, copies of it with shuffled lines (as ``bench_scale``)."""
     if not PYDOCS.exists():
         sys.exit(f"{PYDOCS} not found: the benchmark reads the team's shared data folder")
     path = CACHE / "cluster" / f"pydocs-{mb}mb.jsonl"
+    if mb * 1_000_000 > PYDOCS_BYTES:
+        write_copies(path, round(mb * 1_000_000 / PYDOCS_BYTES))
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -45,10 +53,11 @@ def make_corpus(mb: int) -> Path:
     return path
 
 
-def content(index: Path) -> dict[str, bytes]:
-    """Every index file but the catalog and the manifest (timings): equal between two builds."""
+def content(index: Path) -> dict[str, str]:
+    """sha256 of every index file but the catalog and the manifest (timings): equal between
+    two builds."""
     files = [p for p in sorted(index.iterdir()) if p.is_file() and p.name != "manifest.json"]
-    return {p.name: p.read_bytes() for p in files}
+    return {p.name: sha256_file(p) for p in files}
 
 
 def build(corpus: Path, out: Path, shard_tokens: int, *flags: str) -> dict:

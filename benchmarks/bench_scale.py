@@ -18,7 +18,6 @@ benchmarks/results/bench_scale.json.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -32,6 +31,8 @@ import numpy as np
 from bench_build import bench_infini_gram, corpus_bytes, write_copies
 from bench_query import CONTEXT, latency
 from common import CACHE, TERALM, run_measured, save, table
+
+from teralm.index.format import sha256_file
 
 WORK = CACHE / "scale"
 PYDOCS_BYTES = 61_737_119
@@ -147,7 +148,7 @@ def file_hashes(index: Path) -> dict[str, str]:
     names = [
         p for p in sorted(index.iterdir()) if p.name.startswith(("shard-", "order.", "documents"))
     ]
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in names}
+    return {p.name: sha256_file(p) for p in names}
 
 
 def query_rows(jsonl: Path, shard_counts: list[int], workers: int, contexts: int) -> list[dict]:
