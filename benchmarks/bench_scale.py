@@ -131,7 +131,7 @@ def teralm_build(jsonl: Path, out: Path, workers: int, *flags, cgroup: MemoryCgr
 
 def report(row: dict) -> dict:
     """Print a finished build's row at once (the tables come at the end)."""
-    print(json.dumps({k: v for k, v in row.items() if k != "passes"}), flush=True)
+    print(json.dumps(row), flush=True)
     return row
 
 
@@ -212,15 +212,12 @@ def main() -> None:
     results["shard_tokens"] = args.shard_tokens
     rows = []
     if {"capped", "identical"} & set(parts):
-        rows.append(
-            {
-                "run": f"{args.small} uncapped",
-                **teralm_build(small, WORK / "small", args.workers, *shards),
-            }
-        )
+        row = teralm_build(small, WORK / "small", args.workers, *shards)
+        rows.append(report({"run": f"{args.small} uncapped", **row}))
     if "identical" in parts:
         row = capped_build(small, WORK / "small-capped", limit, budget, args.workers, *shards)
         row["identical"] = file_hashes(WORK / "small-capped") == file_hashes(WORK / "small")
+        print(f"byte-identical to the uncapped build: {row['identical']}", flush=True)
         rows.append({"run": f"{args.small} in {args.cgroup} cgroup", **row})
         shutil.rmtree(WORK / "small-capped")
     shutil.rmtree(WORK / "small", ignore_errors=True)  # disk for the big build

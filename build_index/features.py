@@ -211,6 +211,8 @@ def features_job(
         name: Path(layout.directory) / f"pass3-{global_start:012d}.tmp-{name}"
         for name in SWEEP_COLUMNS
     }
+    for path in work.values():  # left by a run of this job that was killed: it appends to them
+        path.unlink(missing_ok=True)
     try:
         rows, columns = _forward(layout, readers, global_start, work, budget)
         _backward(layout, firsts, spans, rows, columns, budget)
