@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,15 +133,22 @@ class _RunReader:
     def more_on_disk(self) -> bool:
         return self.next < self.stop
 
-    def fill(self) -> None:
-        """Top the buffer up to ``chunk`` entries."""
+    def fetch(self) -> dict | None:
+        """Read (not yet decode) the entries that top the buffer up to ``chunk``; None when
+        there is nothing to read. Readers fetch in parallel threads (``_merge_round``)."""
         take = min(self.chunk - len(self.pos), self.stop - self.next)
         if take <= 0:
-            return
-        layout, lo = self.layout, self.next
-        run = read_run(layout, self.k, lo, lo + take, self.element)
-        keys = np.empty((take, self.words), dtype=np.uint64)
-        self.element += km.decode_run(
+            return None
+        run = read_run(self.layout, self.k, self.next, self.next + take, self.element)
+        self.next += take
+        self.element += len(run["elements"])
+        return run
+
+    def add(self, run: dict) -> None:
+        """Decode a fetched run (in fetch order) onto the end of the buffer."""
+        layout = self.layout
+        keys = np.empty((len(run["lcp"]), self.words), dtype=np.uint64)
+        km.decode_run(
             run["lcp"],
             run["depth"],
             run["elements"],
@@ -155,7 +163,6 @@ class _RunReader:
         if len(self.pos):
             new = tuple(np.concatenate(pair) for pair in zip(self.buffers, new))
         self.keys, self.depth, self.follow, self.pos = new
-        self.next += take
 
     @property
     def buffers(self) -> tuple[np.ndarray, ...]:
@@ -169,13 +176,17 @@ class _RunReader:
         return parts
 
 
-def _merge_round(readers: list[_RunReader]):
+READ_THREADS = 8  # shards read at once: the disk serves several reads faster than one by one
+
+
+def _merge_round(readers: list[_RunReader], pool: ThreadPoolExecutor):
     """The next entries of the merged order that no entry still on disk can precede: every
     buffered entry up to the smallest last buffered entry of a reader with more to read.
     Returns their keys, depth, follow, pos and shard, and the merged order of those rows (None
     when done)."""
-    for r in readers:
-        r.fill()
+    for r, run in zip(readers, pool.map(_RunReader.fetch, readers)):
+        if run is not None:
+            r.add(run)
     live = [r for r in readers if len(r.pos)]
     if not live:
         return None
@@ -214,7 +225,8 @@ def features_job(
     for path in work.values():  # left by a run of this job that was killed: it appends to them
         path.unlink(missing_ok=True)
     try:
-        rows, columns = _forward(layout, readers, global_start, work, budget)
+        with ThreadPoolExecutor(READ_THREADS) as pool:
+            rows, columns = _forward(layout, readers, pool, global_start, work, budget)
         _backward(layout, firsts, spans, rows, columns, budget)
         # Its many small writes are flushed once, before the job may be recorded as done.
         for path in [layout.order_path(kind) for kind in ("positions", "follow", "keys")] + [
@@ -228,7 +240,7 @@ def features_job(
 
 
 def _forward(
-    layout: Layout, readers, global_start: int, work: dict, budget: int
+    layout: Layout, readers, pool, global_start: int, work: dict, budget: int
 ) -> tuple[int, dict]:
     """The merge and the forward sweep: writes the order's slice, and returns its number of
     entries and their SWEEP_COLUMNS (arrays, or the ``work`` files when there are more than
@@ -236,7 +248,7 @@ def _forward(
     cap, elem_bits = layout.max_match, layout.elem_bits
     lows, state = km.sweep_state(cap)
     done, last, kept, spilled = 0, None, [], False
-    while (merged := _merge_round(readers)) is not None:
+    while (merged := _merge_round(readers, pool)) is not None:
         keys, depth, follow, pos, shard, order = merged
         n = len(order)
         lcp = km.adjacent_lcp(keys, depth, order, elem_bits)
