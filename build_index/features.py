@@ -218,10 +218,7 @@ def features_job(
         _RunReader(layout, k, span, chunk) for k, span in enumerate(spans) if span[1] > span[0]
     ]
     budget = chunk * max(len(readers), 1)
-    work = {
-        name: Path(layout.directory) / f"pass3-{global_start:012d}.tmp-{name}"
-        for name in SWEEP_COLUMNS
-    }
+    work = work_paths(layout, global_start)
     for path in work.values():  # left by a run of this job that was killed: it appends to them
         path.unlink(missing_ok=True)
     try:
@@ -237,6 +234,15 @@ def features_job(
     finally:
         for path in work.values():
             path.unlink(missing_ok=True)
+
+
+def work_paths(layout: Layout, global_start: int) -> dict[str, Path]:
+    """The work files of the job whose slice of the order starts at ``global_start``: where its
+    SWEEP_COLUMNS go when they do not fit its memory."""
+    return {
+        name: Path(layout.directory) / f"pass3-{global_start:012d}.tmp-{name}"
+        for name in SWEEP_COLUMNS
+    }
 
 
 def _forward(

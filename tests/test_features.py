@@ -182,10 +182,38 @@ def test_tiny_memory_budget_gives_identical_files(tmp_path):
     rng = np.random.default_rng(12)
     docs = random_documents(rng, 600, max_len=600)
     large = build_docs(tmp_path / "large", docs, shard_tokens=30_000)
-    memory = 2 * WORKER_BYTES + 28 * 100_000  # what sorting needs: chunks of ~1,500 entries per shard
+    memory = (
+        2 * WORKER_BYTES + 28 * 100_000
+    )  # what sorting needs: chunks of ~1,500 entries per shard
     small = build_docs(tmp_path / "small", docs, shard_tokens=30_000, memory=memory)
     assert content_files(large.directory) == content_files(small.directory)
     assert large.manifest["order"] == small.manifest["order"]
+
+
+def test_pass3_job_replaces_work_files_a_killed_run_left(tmp_path, monkeypatch):
+    """A job that spills finds the files of an earlier run of it (killed before its cleanup)
+    and gives the same index as a clean build."""
+    from test_cli import content_files
+
+    from teralm.build_index import features
+    from teralm.build_index.builder import WORKER_BYTES
+
+    rng = np.random.default_rng(13)
+    docs = random_documents(rng, 600, max_len=600)  # jobs of ~45,000 entries, 8,300 in memory
+    options = {"shard_tokens": 30_000, "workers": 1, "memory": 2 * WORKER_BYTES + 28 * 100_000}
+    clean = build_docs(tmp_path / "clean", docs, **options)
+    real_job, left = features.features_job, []
+
+    def after_a_killed_run(layout, firsts, spans, global_start, chunk):
+        for path in features.work_paths(layout, global_start).values():
+            path.write_bytes(bytes(range(256)) * 64)
+            left.append(path)
+        return real_job(layout, firsts, spans, global_start, chunk)
+
+    monkeypatch.setattr(features, "features_job", after_a_killed_run)
+    resumed = build_docs(tmp_path / "resumed", docs, **options)
+    assert left and not any(path.exists() for path in left)
+    assert content_files(clean.directory) == content_files(resumed.directory)
 
 
 def test_index_of_an_older_format_is_refused(tmp_path):
