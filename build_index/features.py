@@ -104,15 +104,12 @@ def run_spans(layout: Layout, jobs: list[tuple[int, int]]) -> np.ndarray:
     return spans
 
 
-SWEEP_COLUMNS = {  # what the forward sweep leaves the backward one, per entry
-    "pos": np.int64,
-    "follower": np.int32,
-    "lcp": np.uint8,
-    "shard": np.uint16,
-    "token": np.int32,
+SWEEP_COLUMNS = {  # what the forward sweep leaves the backward one, per entry (14 bytes; the
+    "lcp": np.uint8,  # positions and followers it reads back from the order it wrote)
+    "token": np.uint16,  # the entry's token (tokens and the separator fit 16 bits)
     "best_len": np.uint8,
     "best_pos": np.int64,
-    "best_tok": np.int32,
+    "best_tok": np.uint16,
 }
 
 
@@ -182,8 +179,8 @@ READ_THREADS = 8  # shards read at once: the disk serves several reads faster th
 def _merge_round(readers: list[_RunReader], pool: ThreadPoolExecutor):
     """The next entries of the merged order that no entry still on disk can precede: every
     buffered entry up to the smallest last buffered entry of a reader with more to read.
-    Returns their keys, depth, follow, pos and shard, and the merged order of those rows (None
-    when done)."""
+    Returns their keys, depth, follow and pos, and the merged order of those rows (None when
+    done)."""
     for r, run in zip(readers, pool.map(_RunReader.fetch, readers)):
         if run is not None:
             r.add(run)
@@ -195,11 +192,11 @@ def _merge_round(readers: list[_RunReader], pool: ThreadPoolExecutor):
     if waiting:
         bound = min(waiting, key=lambda r: (tuple(r.keys[-1]), r.k))
         counts = [km.count_not_above(r.keys, r.k, bound.keys[-1], bound.k) for r in live]
-    parts = [r.take(c) + (np.full(c, r.k, dtype=np.uint16),) for r, c in zip(live, counts)]
+    parts = [r.take(c) for r, c in zip(live, counts)]
     if len(parts) == 1:
         return *parts[0], np.arange(counts[0])
-    keys, depth, follow, pos, shard = (np.concatenate(p) for p in zip(*parts))
-    return keys, depth, follow, pos, shard, km.merge_sorted(keys, np.cumsum([0, *counts]))
+    keys, depth, follow, pos = (np.concatenate(p) for p in zip(*parts))
+    return keys, depth, follow, pos, km.merge_sorted(keys, np.cumsum([0, *counts]))
 
 
 def features_job(
@@ -224,7 +221,7 @@ def features_job(
     try:
         with ThreadPoolExecutor(READ_THREADS) as pool:
             rows, columns = _forward(layout, readers, pool, global_start, work, budget)
-        _backward(layout, firsts, spans, rows, columns, budget)
+        _backward(layout, firsts, spans, global_start, rows, columns, budget)
         # Its many small writes are flushed once, before the job may be recorded as done.
         for path in [layout.order_path(kind) for kind in ("positions", "follow", "keys")] + [
             sorted_features_path(layout, r.k) for r in readers
@@ -255,7 +252,7 @@ def _forward(
     lows, state = km.sweep_state(cap)
     done, last, kept, spilled = 0, None, [], False
     while (merged := _merge_round(readers, pool)) is not None:
-        keys, depth, follow, pos, shard, order = merged
+        keys, depth, follow, pos, order = merged
         n = len(order)
         lcp = km.adjacent_lcp(keys, depth, order, elem_bits)
         if last is not None:
@@ -263,14 +260,14 @@ def _forward(
         last = (keys[order[-1]].copy(), depth[order[-1]])
         first_words = keys[order, 0]
         del keys
-        pos, follow, shard = pos[order], follow[order], shard[order]
+        pos, follow = pos[order], follow[order]
         _write_order(layout, global_start + done, pos, follow, first_words)
         follower = follow.astype(np.int32)
         follower[follow == layout.separator] = -1
         best = (np.zeros(n, np.int64), np.full(n, km.INF, np.int64), np.zeros(n, np.int64))
         km.sweep_chunk(pos, follower, lcp, cap, lows, state, *best)
         token = first_words >> np.uint64(64 - elem_bits)
-        block = dict(zip(SWEEP_COLUMNS, (pos, follower, lcp, shard, token, *best)))
+        block = dict(zip(SWEEP_COLUMNS, (lcp, token, *best)))
         kept.append(
             {name: block[name].astype(dtype, copy=False) for name, dtype in SWEEP_COLUMNS.items()}
         )
@@ -299,11 +296,28 @@ def _column_rows(columns: dict, name: str, a: int, b: int) -> np.ndarray:
     return np.fromfile(column, dtype=dtype, count=b - a, offset=a * dtype.itemsize)
 
 
+def _read_order(layout: Layout, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+    """Ranks ``[a, b)`` of the global order: positions, and followers (-1 for none)."""
+    width, dtype = layout.order_width, layout.sort_dtype
+    raw = np.fromfile(layout.order_path("positions"), np.uint8, (b - a) * width, offset=a * width)
+    follow = np.fromfile(layout.order_path("follow"), dtype, b - a, offset=a * dtype.itemsize)
+    follower = follow.astype(np.int32)
+    follower[follow == layout.separator] = -1
+    return fmt.positions(raw, width), follower
+
+
 def _backward(
-    layout: Layout, firsts, spans: np.ndarray, rows: int, columns: dict, chunk: int
+    layout: Layout,
+    firsts,
+    spans: np.ndarray,
+    global_start: int,
+    rows: int,
+    columns: dict,
+    chunk: int,
 ) -> None:
-    """The backward sweep over the forward sweep's columns, from the last entry, then the
-    features of each entry, written in the shards' sorted order."""
+    """The backward sweep over the forward sweep's columns and the order's slice (ranks from
+    ``global_start``), from the last entry, then the features of each entry, written in the
+    shards' sorted order."""
     cap = layout.max_match
     lows, state = km.sweep_state(cap)
     ends = spans[:, 1].copy()  # per shard: the sorted entry after the last one written
@@ -311,22 +325,26 @@ def _backward(
     for stop in range(rows, 0, -chunk):
         a = max(0, stop - chunk)
         r = {name: _column_rows(columns, name, a, stop)[::-1].copy() for name in SWEEP_COLUMNS}
+        pos, follower = (
+            x[::-1].copy() for x in _read_order(layout, global_start + a, global_start + stop)
+        )
         h = np.concatenate([[after], r["lcp"][:-1]]).astype(np.uint8)
         after = int(r["lcp"][-1])
-        pos, token = r["pos"], r["token"].astype(np.int64)
+        token = r["token"].astype(np.int64)
         length, best_pos, best_tok = (
             r["best_len"].astype(np.int64),
             r["best_pos"],
             r["best_tok"].astype(np.int64),
         )
-        km.sweep_chunk(pos, r["follower"], h, cap, lows, state, length, best_pos, best_tok)
+        km.sweep_chunk(pos, follower, h, cap, lows, state, length, best_pos, best_tok)
         # One-token matches may lie in another bucket: take them from the first-occurrence table.
         short = length <= 1
         length[short] = firsts.first[token[short]] < pos[short]
         has_next = np.where(short, firsts.first_f[token] < pos, best_pos < km.INF) & (length > 0)
         len_byte = (length | np.where(has_next, 0, fmt.NO_FOLLOWER_BIT)).astype(np.uint8)
         next_tok = np.where(has_next, np.where(short, firsts.first_tok[token], best_tok), 0)
-        _write_sorted_features(layout, r["shard"], ends, len_byte, next_tok)
+        shard = (pos // layout.shard_tokens).astype(np.uint16)
+        _write_sorted_features(layout, shard, ends, len_byte, next_tok)
 
 
 def _write_sorted_features(layout: Layout, shard, ends, len_byte, next_tok) -> None:
