@@ -262,8 +262,7 @@ def _forward(
         del keys
         pos, follow = pos[order], follow[order]
         _write_order(layout, global_start + done, pos, follow, first_words)
-        follower = follow.astype(np.int32)
-        follower[follow == layout.separator] = -1
+        follower = _followers(layout, follow)
         best = (np.zeros(n, np.int64), np.full(n, km.INF, np.int64), np.zeros(n, np.int64))
         km.sweep_chunk(pos, follower, lcp, cap, lows, state, *best)
         token = first_words >> np.uint64(64 - elem_bits)
@@ -301,9 +300,14 @@ def _read_order(layout: Layout, a: int, b: int) -> tuple[np.ndarray, np.ndarray]
     width, dtype = layout.order_width, layout.sort_dtype
     raw = np.fromfile(layout.order_path("positions"), np.uint8, (b - a) * width, offset=a * width)
     follow = np.fromfile(layout.order_path("follow"), dtype, b - a, offset=a * dtype.itemsize)
+    return fmt.positions(raw, width), _followers(layout, follow)
+
+
+def _followers(layout: Layout, follow: np.ndarray) -> np.ndarray:
+    """``order.follow`` entries as the sweep takes them: the next token, or -1 for none."""
     follower = follow.astype(np.int32)
     follower[follow == layout.separator] = -1
-    return fmt.positions(raw, width), follower
+    return follower
 
 
 def _backward(
