@@ -413,7 +413,7 @@ def _workers_for(config: BuildConfig, need: int) -> int:
     return max(fits, default=1)
 
 
-MAX_JOB_ROWS = 1 << 24  # a running job's work files: 32 bytes per entry (the forward sweep's)
+MAX_JOB_ROWS = 1 << 24  # a running job's work files: 14 bytes per entry (SWEEP_COLUMNS)
 
 
 def _job_rows(layout: Layout, config: BuildConfig) -> int:

@@ -291,15 +291,14 @@ def _column_rows(columns: dict, name: str, a: int, b: int) -> np.ndarray:
     column = columns[name]
     if not isinstance(column, Path):
         return column[a:b]
-    dtype = np.dtype(SWEEP_COLUMNS[name])
-    return np.fromfile(column, dtype=dtype, count=b - a, offset=a * dtype.itemsize)
+    return fmt.read_rows(column, SWEEP_COLUMNS[name], a, b)
 
 
 def _read_order(layout: Layout, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
     """Ranks ``[a, b)`` of the global order: positions, and followers (-1 for none)."""
-    width, dtype = layout.order_width, layout.sort_dtype
-    raw = np.fromfile(layout.order_path("positions"), np.uint8, (b - a) * width, offset=a * width)
-    follow = np.fromfile(layout.order_path("follow"), dtype, b - a, offset=a * dtype.itemsize)
+    width = layout.order_width
+    raw = fmt.read_rows(layout.order_path("positions"), np.uint8, a * width, b * width)
+    follow = fmt.read_rows(layout.order_path("follow"), layout.sort_dtype, a, b)
     return fmt.positions(raw, width), _followers(layout, follow)
 
 

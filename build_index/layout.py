@@ -71,12 +71,9 @@ class Layout:
         )
 
     def read_tokens(self, k: int, a: int = 0, b: int | None = None) -> np.ndarray:
-        """Tokens ``[a, b)`` of shard ``k``, read into memory (not mapped: pages of a mapping
-        count in the process's RSS for as long as it lives)."""
+        """Tokens ``[a, b)`` of shard ``k``, read into memory (``format.read_rows``)."""
         b = self.sizes[k] if b is None else b
-        dtype = np.dtype(self.token_dtype)
-        path = self.path(k, "tokens")
-        return np.fromfile(path, dtype=dtype, count=b - a, offset=a * dtype.itemsize)
+        return fmt.read_rows(self.path(k, "tokens"), self.token_dtype, a, b)
 
     def offsets(self) -> np.ndarray:
         return np.fromfile(Path(self.directory) / fmt.DOCUMENT_OFFSETS, dtype=fmt.OFFSET_DTYPE)

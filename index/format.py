@@ -164,6 +164,13 @@ def _as_bytes(data):
     return data
 
 
+def read_rows(path: Path, dtype, a: int, b: int) -> np.ndarray:
+    """Entries ``[a, b)`` of a file of ``dtype`` entries, read (not mapped: the pages of a
+    mapping count in the process's RSS once touched)."""
+    dtype = np.dtype(dtype)
+    return np.fromfile(path, dtype=dtype, count=b - a, offset=a * dtype.itemsize)
+
+
 def fsync_path(path: Path) -> None:
     """Flush ``path`` to disk: a file's data, or a directory's entries (a rename inside it)."""
     fd = os.open(path, os.O_RDONLY)
