@@ -16,7 +16,7 @@ import numpy as np
 
 from teralm.build_index.layout import Layout
 from teralm.index import format as fmt
-from teralm.kernels.sort import encode_run, sort_shard
+from teralm.kernels.sort import sort_shard
 
 RUN_PARTS = ("lcp", "depth", "follow", "elements")
 SORT_BYTES_PER_TOKEN = 28  # memory of sorting a shard, per token of its context (measured: 24.5)
@@ -31,23 +31,21 @@ def sort_one_shard(layout: Layout, k: int) -> tuple[int, float, int]:
     start, stop = layout.shard_start(k), layout.shard_start(k) + layout.sizes[k]
     stream = layout.stream()
     context = stream[lo:stop]
-    order = sort_shard(context, start - lo, doc_starts, layout.separator, layout.sort_dtype)
     after = -1
     if stop < layout.num_tokens and offsets[np.searchsorted(offsets, stop)] != stop:
         after = int(stream[stop : stop + 1][0])
-    run = encode_run(
+    run = sort_shard(
         context,
         start - lo,
         doc_starts,
-        order,
-        layout.sort_depth,
         layout.separator,
-        after,
         layout.sort_dtype,
+        layout.sort_depth,
+        after,
     )
     fmt.write_atomic(layout.path(k, "run"), b"".join(run[p].tobytes() for p in RUN_PARTS))
     fmt.write_atomic(layout.path(k, "runidx"), run["starts"])
-    fmt.write_atomic(layout.path(k, "prefix"), order.astype(fmt.PREFIX_DTYPE, copy=False))
+    fmt.write_atomic(layout.path(k, "prefix"), run["order"].astype(fmt.PREFIX_DTYPE, copy=False))
     written = sum(layout.path(k, kind).stat().st_size for kind in ("prefix", "run", "runidx"))
     return k, time.perf_counter() - began, written
 

@@ -325,7 +325,7 @@ def brute_force_features(tokens: np.ndarray, doc_ids: np.ndarray, cap: int):
 
 @njit(cache=True)
 def decode_run(lcp, depth, elements, separator, elem_bits, cap, current, keys):
-    """Keys of front-coded entries (``kernels.sort.encode_run``'s ``lcp``, ``depth`` and
+    """Keys of front-coded entries (``kernels.sort.sort_shard``'s ``lcp``, ``depth`` and
     ``elements``) into rows of ``keys``: the real elements, then the separator when there are
     fewer than ``cap``; returns the elements used. ``current`` holds the key elements of the
     entry before the first (whatever they are at a bucket's first entry) and is left holding

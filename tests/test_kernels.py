@@ -31,13 +31,55 @@ def test_sort_shard_equals_reference(tokens, cuts, overlap, wide):
     overlap = min(overlap, len(context) - 1)
     starts = np.array(sorted({c for c in cuts if c < len(context)}), dtype=np.int64)
     separator = 300 if wide else 9
-    fast = sort_shard(context, overlap, starts, separator, context.dtype)
+    fast = sort_shard(context, overlap, starts, separator, context.dtype, 8, -1)["order"]
     slow = sort_shard_reference(context, overlap, starts, separator)
     assert sorted(fast.tolist()) == list(range(len(context) - overlap))
     start_set = set(starts.tolist())
     keys = [context_key(context, start_set, overlap + int(p), separator) for p in fast]
     ref = [context_key(context, start_set, overlap + int(p), separator) for p in slow]
     assert keys == ref
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 3), min_size=1, max_size=150),
+    cuts=st.lists(st.integers(1, 149), max_size=6),
+    overlap=st.integers(0, 20),
+    cap=st.integers(2, 12),
+    wide=st.booleans(),
+    last_follower=st.integers(-1, 3),
+)
+def test_sort_shard_front_codes_each_key(tokens, cuts, overlap, cap, wide, last_follower):
+    """lcp, depth, follower, stored elements and bucket starts, entry by entry from the keys."""
+    context = np.array(tokens, dtype=np.uint16 if wide else np.uint8)
+    overlap = min(overlap, len(context) - 1)
+    starts = np.array(sorted({c for c in cuts if c < len(context)}), dtype=np.int64)
+    separator = 300 if wide else 9
+    run = sort_shard(context, overlap, starts, separator, context.dtype, cap, last_follower)
+    start_set = set(starts.tolist())
+    counts, stored = np.zeros(1 << 16, np.int64), np.zeros(1 << 16, np.int64)
+    elements, previous = [], (None, [])
+    for k, p in enumerate(run["order"].tolist()):
+        key = context_key(context, start_set, overlap + p, separator)[:-1][:cap]
+        padded = [*key, separator]
+        bucket = padded[0] if wide else padded[0] << 8 | padded[1]
+        common = 0
+        if previous[0] == bucket:
+            while common < min(len(key), len(previous[1])) and key[common] == previous[1][common]:
+                common += 1
+        i = overlap + p
+        if i + 1 < len(context):
+            follower = separator if i + 1 in start_set else int(context[i + 1])
+        else:
+            follower = separator if last_follower < 0 else last_follower
+        assert (run["depth"][k], run["lcp"][k], run["follow"][k]) == (len(key), common, follower)
+        elements += key[common:]
+        counts[bucket] += 1
+        stored[bucket] += len(key) - common
+        previous = (bucket, key)
+    assert run["elements"].tolist() == elements
+    assert run["starts"][0].tolist() == [0, *np.cumsum(counts).tolist()]
+    assert run["starts"][1].tolist() == [0, *np.cumsum(stored).tolist()]
 
 
 @settings(max_examples=40, deadline=None)
