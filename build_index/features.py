@@ -113,27 +113,46 @@ SWEEP_COLUMNS = {  # what the forward sweep leaves the backward one, per entry (
 }
 
 
-class _RunReader:
-    """One shard's entries of a job, read and decoded ``chunk`` entries at a time."""
+class _Arena:
+    """The decoded entries that a job's readers hold, in one set of arrays allocated once: reader
+    ``i`` keeps its entries in rows ``[i * chunk, (i + 1) * chunk)``, so that a merge round
+    neither gathers them into new arrays nor gets new memory from the system."""
 
-    def __init__(self, layout: Layout, k: int, span, chunk: int):
-        self.layout, self.k, self.chunk = layout, k, chunk
+    def __init__(self, layout: Layout, readers: int, chunk: int):
+        rows = readers * chunk
+        self.keys = np.empty((rows, km.key_words(layout.sort_depth, layout.elem_bits)), np.uint64)
+        self.depth = np.empty(rows, dtype=np.uint8)
+        self.follow = np.empty(rows, dtype=layout.sort_dtype)
+        self.pos = np.empty(rows, dtype=np.int64)
+
+    def move(self, a: int, b: int, to: int) -> None:
+        """Move rows ``[a, b)`` to start at row ``to`` (``to <= a``)."""
+        for x in (self.keys, self.depth, self.follow, self.pos):
+            x[to : to + b - a] = x[a:b]
+
+
+class _RunReader:
+    """One shard's entries of a job, read and decoded ``chunk`` entries at a time into its rows
+    of the job's arena: its buffered entries are rows ``[lo, hi)``."""
+
+    def __init__(self, layout: Layout, k: int, span, arena: _Arena, base: int, chunk: int):
+        self.layout, self.k, self.arena, self.chunk = layout, k, arena, chunk
         self.next, self.stop, self.element = int(span[0]), int(span[1]), int(span[2])
-        self.words = km.key_words(layout.sort_depth, layout.elem_bits)
-        self.current = np.zeros(self.words * 64 // layout.elem_bits, dtype=np.int64)
-        self.keys = np.empty((0, self.words), dtype=np.uint64)
-        self.depth = np.empty(0, dtype=np.uint8)
-        self.follow = np.empty(0, dtype=layout.sort_dtype)
-        self.pos = np.empty(0, dtype=np.int64)
+        self.base = self.lo = self.hi = base
+        self.current = np.zeros(arena.keys.shape[1] * 64 // layout.elem_bits, dtype=np.int64)
 
     @property
     def more_on_disk(self) -> bool:
         return self.next < self.stop
 
+    @property
+    def buffered(self) -> int:
+        return self.hi - self.lo
+
     def fetch(self) -> dict | None:
         """Read (not yet decode) the entries that top the buffer up to ``chunk``; None when
         there is nothing to read. Readers fetch in parallel threads (``_merge_round``)."""
-        take = min(self.chunk - len(self.pos), self.stop - self.next)
+        take = min(self.chunk - self.buffered, self.stop - self.next)
         if take <= 0:
             return None
         run = read_run(self.layout, self.k, self.next, self.next + take, self.element)
@@ -142,9 +161,11 @@ class _RunReader:
         return run
 
     def add(self, run: dict) -> None:
-        """Decode a fetched run (in fetch order) onto the end of the buffer."""
-        layout = self.layout
-        keys = np.empty((len(run["lcp"]), self.words), dtype=np.uint64)
+        """Decode a fetched run (in fetch order) after the buffered entries."""
+        layout, arena = self.layout, self.arena
+        arena.move(self.lo, self.hi, self.base)
+        self.lo, self.hi = self.base, self.base + self.buffered
+        a, b = self.hi, self.hi + len(run["lcp"])
         km.decode_run(
             run["lcp"],
             run["depth"],
@@ -153,50 +174,39 @@ class _RunReader:
             layout.elem_bits,
             layout.sort_depth,
             self.current,
-            keys,
+            arena.keys[a:b],
         )
-        pos = run["prefix"].astype(np.int64) + layout.shard_start(self.k)
-        new = (keys, run["depth"], run["follow"], pos)
-        if len(self.pos):
-            new = tuple(np.concatenate(pair) for pair in zip(self.buffers, new))
-        self.keys, self.depth, self.follow, self.pos = new
-
-    @property
-    def buffers(self) -> tuple[np.ndarray, ...]:
-        return self.keys, self.depth, self.follow, self.pos
-
-    def take(self, count: int) -> tuple[np.ndarray, ...]:
-        """Remove and return the first ``count`` buffered entries."""
-        parts = (self.keys[:count], self.depth[:count], self.follow[:count], self.pos[:count])
-        self.keys, self.depth = self.keys[count:], self.depth[count:]
-        self.follow, self.pos = self.follow[count:], self.pos[count:]
-        return parts
+        arena.depth[a:b], arena.follow[a:b] = run["depth"], run["follow"]
+        np.add(run["prefix"], layout.shard_start(self.k), out=arena.pos[a:b], casting="unsafe")
+        self.hi = b
 
 
 READ_THREADS = 8  # shards read at once: the disk serves several reads faster than one by one
 
 
-def _merge_round(readers: list[_RunReader], pool: ThreadPoolExecutor):
+def _merge_round(readers: list[_RunReader], pool: ThreadPoolExecutor) -> np.ndarray | None:
     """The next entries of the merged order that no entry still on disk can precede: every
     buffered entry up to the smallest last buffered entry of a reader with more to read.
-    Returns their keys, depth, follow and pos, and the merged order of those rows (None when
-    done)."""
+    Returns their rows of the arena in merged order (None when done); the readers give them
+    up, and they stay in the arena until the next round."""
     for r, run in zip(readers, pool.map(_RunReader.fetch, readers)):
         if run is not None:
             r.add(run)
-    live = [r for r in readers if len(r.pos)]
+    live = [r for r in readers if r.buffered]
     if not live:
         return None
+    keys = readers[0].arena.keys
+    counts = [r.buffered for r in live]
     waiting = [r for r in live if r.more_on_disk]
-    counts = [len(r.pos) for r in live]
     if waiting:
-        bound = min(waiting, key=lambda r: (tuple(r.keys[-1]), r.k))
-        counts = [km.count_not_above(r.keys, r.k, bound.keys[-1], bound.k) for r in live]
-    parts = [r.take(c) for r, c in zip(live, counts)]
-    if len(parts) == 1:
-        return *parts[0], np.arange(counts[0])
-    keys, depth, follow, pos = (np.concatenate(p) for p in zip(*parts))
-    return keys, depth, follow, pos, km.merge_sorted(keys, np.cumsum([0, *counts]))
+        bound = min(waiting, key=lambda r: (tuple(keys[r.hi - 1]), r.k))
+        last = keys[bound.hi - 1]
+        counts = [km.count_not_above(keys[r.lo : r.hi], r.k, last, bound.k) for r in live]
+    starts = np.array([r.lo for r in live], dtype=np.int64)
+    ends = starts + np.array(counts, dtype=np.int64)
+    for r, c in zip(live, counts):
+        r.lo += c
+    return km.merge_sorted(keys, starts, ends)
 
 
 def features_job(
@@ -211,8 +221,10 @@ def features_job(
     work files beyond that, so memory does not grow with the job. Returns the number of
     positions.
     """
+    shards = [k for k, span in enumerate(spans) if span[1] > span[0]]
+    arena = _Arena(layout, len(shards), chunk)
     readers = [
-        _RunReader(layout, k, span, chunk) for k, span in enumerate(spans) if span[1] > span[0]
+        _RunReader(layout, k, spans[k], arena, i * chunk, chunk) for i, k in enumerate(shards)
     ]
     budget = chunk * max(len(readers), 1)
     work = work_paths(layout, global_start)
@@ -220,7 +232,7 @@ def features_job(
         path.unlink(missing_ok=True)
     try:
         with ThreadPoolExecutor(READ_THREADS) as pool:
-            rows, columns = _forward(layout, readers, pool, global_start, work, budget)
+            rows, columns = _forward(layout, readers, arena, pool, global_start, work, budget)
         _backward(layout, firsts, spans, global_start, rows, columns, budget)
         # Its many small writes are flushed once, before the job may be recorded as done.
         for path in [layout.order_path(kind) for kind in ("positions", "follow", "keys")] + [
@@ -243,7 +255,7 @@ def work_paths(layout: Layout, global_start: int) -> dict[str, Path]:
 
 
 def _forward(
-    layout: Layout, readers, pool, global_start: int, work: dict, budget: int
+    layout: Layout, readers, arena: _Arena, pool, global_start: int, work: dict, budget: int
 ) -> tuple[int, dict]:
     """The merge and the forward sweep: writes the order's slice, and returns its number of
     entries and their SWEEP_COLUMNS (arrays, or the ``work`` files when there are more than
@@ -251,16 +263,14 @@ def _forward(
     cap, elem_bits = layout.max_match, layout.elem_bits
     lows, state = km.sweep_state(cap)
     done, last, kept, spilled = 0, None, [], False
-    while (merged := _merge_round(readers, pool)) is not None:
-        keys, depth, follow, pos, order = merged
+    keys, depth = arena.keys, arena.depth
+    while (order := _merge_round(readers, pool)) is not None:
         n = len(order)
         lcp = km.adjacent_lcp(keys, depth, order, elem_bits)
         if last is not None:
             lcp[0] = km.row_lcp(last[0], last[1], keys[order[0]], depth[order[0]], elem_bits)
         last = (keys[order[-1]].copy(), depth[order[-1]])
-        first_words = keys[order, 0]
-        del keys
-        pos, follow = pos[order], follow[order]
+        first_words, pos, follow = keys[order, 0], arena.pos[order], arena.follow[order]
         _write_order(layout, global_start + done, pos, follow, first_words)
         follower = _followers(layout, follow)
         best = (np.zeros(n, np.int64), np.full(n, km.INF, np.int64), np.zeros(n, np.int64))

@@ -79,27 +79,28 @@ def _sift_down(keys, head, heap, size, i):
 
 
 @njit(cache=True)
-def merge_sorted(keys, run_starts):
-    """Order of rows of ``keys`` merging the sorted runs ``run_starts[k]:run_starts[k+1]``.
+def merge_sorted(keys, run_starts, run_ends):
+    """Order of rows of ``keys`` merging the sorted runs ``run_starts[k]:run_ends[k]`` (equal
+    keys in row order, so the runs must lie in the order they rank in).
 
     A binary heap over the runs' heads: O(M log S) key comparisons.
     """
-    runs = len(run_starts) - 1
+    runs = len(run_starts)
     heap = np.empty(runs, dtype=np.int64)
-    head = run_starts[:-1].copy()
+    head = run_starts.copy()
     size = 0
     for k in range(runs):
-        if head[k] < run_starts[k + 1]:
+        if head[k] < run_ends[k]:
             heap[size] = k
             size += 1
     for i in range(size // 2 - 1, -1, -1):
         _sift_down(keys, head, heap, size, i)
-    order = np.empty(run_starts[-1] - run_starts[0], dtype=np.int64)
+    order = np.empty(np.sum(run_ends - run_starts), dtype=np.int64)
     for m in range(len(order)):
         k = heap[0]
         order[m] = head[k]
         head[k] += 1
-        if head[k] == run_starts[k + 1]:
+        if head[k] == run_ends[k]:
             size -= 1
             heap[0] = heap[size]
         _sift_down(keys, head, heap, size, 0)

@@ -105,8 +105,12 @@ def test_brute_force_at_equals_reference(tokens, cuts, cap):
 def test_merge_sorted_merges_runs():
     rng = np.random.default_rng(0)
     runs = [np.sort(rng.integers(0, 50, size=n)).astype(np.uint64) for n in (0, 5, 17, 1, 30)]
-    keys = np.concatenate(runs)[:, None]
-    starts = np.cumsum([0] + [len(r) for r in runs]).astype(np.int64)
-    order = km.merge_sorted(keys, starts)
-    assert sorted(order.tolist()) == list(range(len(keys)))
-    assert np.all(np.diff(keys[order, 0].astype(np.int64)) >= 0)
+    gaps = [rng.integers(0, 4) for _ in runs]  # rows between the runs that are not merged
+    keys = np.concatenate([np.r_[np.full(g, 99, np.uint64), r] for g, r in zip(gaps, runs)])
+    ends = np.cumsum([g + len(r) for g, r in zip(gaps, runs)]).astype(np.int64)
+    starts = ends - [len(r) for r in runs]
+    order = km.merge_sorted(keys[:, None], starts, ends)
+    inside = [i for a, b in zip(starts, ends) for i in range(a, b)]
+    assert sorted(order.tolist()) == inside
+    assert np.all(np.diff(keys[order].astype(np.int64)) >= 0)
+    assert all(a < b for a, b in zip(order[:-1], order[1:]) if keys[a] == keys[b])  # row order
