@@ -3,15 +3,15 @@ the same bytes in the same run, and query latency against the shard count.
 
     pip install -e '.[bench]'          # infini-gram (and tokengrams, where it fits)
     sudo python benchmarks/bench_scale.py [--small 1gb] [--big 4gb] [--cgroup 2G]
-        [--parts capped,identical,peers,shards] [--workers 2]
+        [--parts capped,identical,peers,shards] [--workers 2] [--shard-counts 1,8,58]
 
 Corpora are byte-level JSONL streams made from pydocs as in bench_build.py (``Ngb``/``Nmb``: about
 that many bytes of pydocs copies, each later copy with its lines shuffled). ``capped`` builds
 ``--big`` inside a cgroup of ``--cgroup`` bytes (page cache included; cgroup v1 or v2, needs root)
 with ``--memory`` 3/4 of it, beside an uncapped build of ``--small``; ``identical`` builds ``--small``
 capped as well and compares every file; ``peers`` runs infini-gram's indexer on ``--small``;
-``shards`` builds ``--small`` with 1, 8 and 58 shards and times bench_query's lookups (32-byte
-contexts from pydocs documents, and random bytes). Prints tables and writes
+``shards`` builds ``--small`` with each of ``--shard-counts`` shards (1, 8 and 58) and times
+bench_query's lookups (32-byte contexts from pydocs documents, and random bytes). Prints tables and writes
 benchmarks/results/bench_scale.json.
 """
 
@@ -198,6 +198,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--contexts", type=int, default=5000)
     parser.add_argument(
+        "--shard-counts", default="1,8,58", help="the shard sweep's builds (1 needs ~30 GB RAM)"
+    )
+    parser.add_argument(
         "--shard-tokens", type=int, default=1 << 23, help="for the builds but the shard sweep"
     )
     args = parser.parse_args()
@@ -264,7 +267,8 @@ def main() -> None:
         if "identical" in r:
             print(f"  {r['run']}: byte-identical to the uncapped build: {r['identical']}")
     if "shards" in parts:
-        results["queries"] = query_rows(small, [1, 8, 58], args.workers, args.contexts)
+        counts = [int(c) for c in args.shard_counts.split(",")]
+        results["queries"] = query_rows(small, counts, args.workers, args.contexts)
         print(f"\nqueries on {args.small}: {args.contexts} contexts of {CONTEXT} bytes per set")
         print(
             table(
