@@ -152,7 +152,7 @@ def file_hashes(index: Path) -> dict[str, str]:
 
 
 def query_rows(jsonl: Path, shard_counts: list[int], workers: int, contexts: int) -> list[dict]:
-    """Build ``jsonl`` with each shard count and time the lookups of the same contexts."""
+    """Build ``jsonl`` with each shard count (timed) and time the lookups of the same contexts."""
     from teralm.index import Index
 
     rng = np.random.default_rng(0)
@@ -175,14 +175,20 @@ def query_rows(jsonl: Path, shard_counts: list[int], workers: int, contexts: int
     for count in shard_counts:
         out = WORK / f"shards-{count}"
         shard_tokens = -(-n_bytes // count)
-        teralm_build(jsonl, out, workers, "--shard-tokens", shard_tokens)
+        built = teralm_build(jsonl, out, workers, "--shard-tokens", shard_tokens)
         ix = Index.open(out)
         ix.next_token_distribution([[1, 2, 3]])  # compile and warm up
         for name, batch in sets.items():
             ix.next_token_distribution(batch)  # touch the pages once
             shards = len(ix.manifest["shards"])
             rows.append(
-                {"shards": shards, "contexts": name, **latency(ix.next_token_distribution, batch)}
+                {
+                    "shards": shards,
+                    "contexts": name,
+                    "build_s": built["wall_s"],
+                    "build_ns_per_token": built["ns_per_token"],
+                    **latency(ix.next_token_distribution, batch),
+                }
             )
         del ix
         shutil.rmtree(out)
@@ -275,6 +281,8 @@ def main() -> None:
                 results["queries"],
                 [
                     ("shards", "shards", "d"),
+                    ("build_s", "build s", ".1f"),
+                    ("build_ns_per_token", "build ns/tok", ".0f"),
                     ("contexts", "contexts", "s"),
                     ("p50_us", "p50 µs", ".1f"),
                     ("p99_us", "p99 µs", ".0f"),
