@@ -334,11 +334,14 @@ def decode_run(lcp, depth, elements, separator, elem_bits, cap, current, keys):
     per_word = 64 // elem_bits
     e = 0
     for r in range(len(lcp)):
-        d = np.int64(depth[r])
-        for j in range(np.int64(lcp[r]), d):
+        d, common = np.int64(depth[r]), np.int64(lcp[r])
+        for j in range(common, d):
             current[j] = elements[e]
             e += 1
-        for w in range(keys.shape[1]):
+        same = common // per_word if r > 0 else 0  # words of shared elements only: as above
+        for w in range(same):
+            keys[r, w] = keys[r - 1, w]
+        for w in range(same, keys.shape[1]):
             word = np.uint64(0)
             for j in range(w * per_word, (w + 1) * per_word):
                 word <<= np.uint64(elem_bits)

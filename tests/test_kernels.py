@@ -82,6 +82,39 @@ def test_sort_shard_front_codes_each_key(tokens, cuts, overlap, cap, wide, last_
     assert run["starts"][1].tolist() == [0, *np.cumsum(stored).tolist()]
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 3), min_size=1, max_size=150),
+    cuts=st.lists(st.integers(1, 149), max_size=6),
+    wide=st.booleans(),
+    split=st.floats(0, 1),
+)
+def test_decode_run_packs_each_key(tokens, cuts, wide, split):
+    """Keys decoded from the front-coded run, in two calls as pass 3 reads them, against each
+    entry's key packed from the context: elements, the separator, zeros."""
+    context = np.array(tokens, dtype=np.uint16 if wide else np.uint8)
+    starts = np.array(sorted({c for c in cuts if c < len(context)}), dtype=np.int64)
+    separator, bits = (300, 16) if wide else (9, 8)
+    cap = 32
+    run = sort_shard(context, 0, starts, separator, context.dtype, cap, -1)
+    words = km.key_words(cap, bits)
+    keys = np.empty((len(context), words), dtype=np.uint64)
+    current = np.zeros(words * 64 // bits, dtype=np.int64)
+    m = int(split * len(context))
+    used = km.decode_run(run["lcp"][:m], run["depth"][:m], run["elements"], separator, bits, cap,
+                         current, keys[:m])  # fmt: skip
+    km.decode_run(run["lcp"][m:], run["depth"][m:], run["elements"][used:], separator, bits, cap,
+                  current, keys[m:])  # fmt: skip
+    start_set = set(starts.tolist())
+    for row, p in zip(keys, run["order"].tolist()):
+        key = context_key(context, start_set, p, separator)[:-1][:cap]
+        elements = [*key, separator] if len(key) < cap else key
+        elements += [0] * (words * 64 // bits - len(elements))
+        packed = [sum(e << (bits * (64 // bits - 1 - j)) for j, e in enumerate(elements[w : w + 64 // bits]))
+                  for w in range(0, len(elements), 64 // bits)]  # fmt: skip
+        assert row.tolist() == packed
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     tokens=st.lists(st.integers(0, 2), min_size=2, max_size=200),
