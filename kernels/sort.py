@@ -55,7 +55,9 @@ def sort_shard(
     doc_starts = doc_starts[doc_starts > 0]
     length = n + 1 + len(doc_starts)
     itemsize = np.dtype(sort_dtype).itemsize
-    words = np.empty((length * itemsize + 7) // 8 + 1, dtype=np.uint64)  # a word to spare
+    spare = (cap * itemsize + 7) // 8 + 1  # keys are read a whole number of words at a time
+    words = np.empty((length * itemsize + 7) // 8 + spare, dtype=np.uint64)
+    words[-spare:] = 0
     stream = words.view(sort_dtype)[:length]
     separators = np.empty(1 + len(doc_starts), dtype=np.int64)
     _reversed_stream(context, doc_starts, separator, stream, separators)
@@ -102,27 +104,60 @@ def _shard_entries(rows, separators, n, n_overlap, cap, order, depth):
     return k
 
 
+BLOCK = 1024  # entries whose keys are gathered at once: independent loads, all in flight
+
+
+@njit(cache=True)
+def _gather_keys(rows, k0, k1, words, size, key_words, window):
+    """The first ``key_words`` words of the keys of entries ``k0..k1`` into ``window``, one row
+    each. A tight loop of loads that do not depend on each other: the CPU overlaps their cache
+    misses, which a loop that compares as it loads cannot (its branches wait on each load)."""
+    for j in range(k1 - k0):
+        b = np.int64(rows[k0 + j]) * size
+        for w in range(key_words):
+            window[j, w] = _word_at(words, b + 8 * w)
+
+
 @njit(cache=True)
 def _front_code(rows, stream, words, depth, follower, lcp, follow, counts, stored):
     """Per entry, its bucket, lcp with the previous entry and follower: the token before its
     key in the stream (the separator there when the next position starts a document).
-    ``words`` is the stream's memory as 64-bit words, for comparing keys eight bytes at a time."""
+    ``words`` is the stream's memory as 64-bit words; keys are compared eight bytes at a time."""
     size = stream.itemsize
-    previous, previous_bucket = 0, -1
-    for k in range(len(rows)):
-        r = np.int64(rows[k])
-        bucket = np.int64(stream[r])
-        if size == 1:
-            bucket = (bucket << 8) | np.int64(stream[r + 1])
-        common = 0
-        if bucket == previous_bucket:
-            limit = min(np.int64(depth[k]), np.int64(depth[k - 1])) * size
-            common = _common_bytes(words, r * size, previous * size, limit) // size
-        lcp[k] = common
-        follow[k] = stream[r - 1] if r > 0 else follower
-        counts[bucket] += 1
-        stored[bucket] += np.int64(depth[k]) - common
-        previous, previous_bucket = r, bucket
+    key_words = (np.int64(depth.max()) * size + 7) // 8 if len(depth) else 1
+    window = np.zeros((BLOCK + 1, key_words), dtype=np.uint64)  # row 0: the entry before
+    previous_bucket = -1
+    for k0 in range(0, len(rows), BLOCK):
+        k1 = min(k0 + BLOCK, len(rows))
+        window[0] = window[BLOCK]
+        _gather_keys(rows, k0, k1, words, size, key_words, window[1:])
+        for j in range(1, k1 - k0 + 1):
+            k = k0 + j - 1
+            r = np.int64(rows[k])
+            head = window[j, 0]
+            bucket = np.int64(head & np.uint64(0xFFFF))
+            if size == 1:  # the first two elements, the first in the high byte
+                bucket = ((bucket & 0xFF) << 8) | (bucket >> 8)
+            common = 0
+            if bucket == previous_bucket:
+                limit = min(np.int64(depth[k]), np.int64(depth[k - 1])) * size
+                common = limit
+                for w in range(key_words):
+                    x = window[j, w] ^ window[j - 1, w]
+                    if x != 0:
+                        c = 8 * w
+                        while (x & np.uint64(0xFF)) == 0:
+                            x >>= np.uint64(8)
+                            c += 1
+                        common = min(c, limit)
+                        break
+                common //= size
+            lcp[k] = common
+            follow[k] = stream[r - 1] if r > 0 else follower
+            counts[bucket] += 1
+            stored[bucket] += np.int64(depth[k]) - common
+            previous_bucket = bucket
+        window[BLOCK] = window[k1 - k0]
 
 
 @njit(cache=True, inline="always")
@@ -131,21 +166,6 @@ def _word_at(words, b):
     shift = np.uint64((b & 7) * 8)
     low, high = words[b >> 3], words[(b >> 3) + 1]
     return (low >> shift) | ((high << (np.uint64(63) - shift)) << np.uint64(1))
-
-
-@njit(cache=True, inline="always")
-def _common_bytes(words, a, b, limit):
-    """Bytes shared by the byte strings at ``a`` and ``b`` of ``words``, at most ``limit``."""
-    c = 0
-    while c < limit:
-        x = _word_at(words, a + c) ^ _word_at(words, b + c)
-        if x != 0:
-            while (x & np.uint64(0xFF)) == 0:
-                x >>= np.uint64(8)
-                c += 1
-            return min(c, limit)
-        c += 8
-    return limit
 
 
 @njit(cache=True)
