@@ -262,24 +262,22 @@ def _forward(
     ``budget`` entries)."""
     cap, elem_bits = layout.max_match, layout.elem_bits
     lows, state = km.sweep_state(cap)
-    done, last, kept, spilled = 0, None, [], False
-    keys, depth = arena.keys, arena.depth
+    done, kept, spilled = 0, [], False
+    last_key, last_depth = np.zeros(arena.keys.shape[1], np.uint64), np.array([-1])
+    merged = _MergedRows(layout, len(arena.pos))
     while (order := _merge_round(readers, pool)) is not None:
         n = len(order)
-        lcp = km.adjacent_lcp(keys, depth, order, elem_bits)
-        if last is not None:
-            lcp[0] = km.row_lcp(last[0], last[1], keys[order[0]], depth[order[0]], elem_bits)
-        last = (keys[order[-1]].copy(), depth[order[-1]])
-        first_words, pos, follow = keys[order, 0], arena.pos[order], arena.follow[order]
+        pos, follow, follower, first_words, lcp = out = merged.rows(n)
+        km.merged_rows(
+            arena.keys, arena.depth, arena.follow, arena.pos, order,
+            layout.separator, elem_bits, last_key, last_depth, out,
+        )  # fmt: skip
         _write_order(layout, global_start + done, pos, follow, first_words)
-        follower = _followers(layout, follow)
-        best = (np.zeros(n, np.int64), np.full(n, km.INF, np.int64), np.zeros(n, np.int64))
+        best = merged.best(n)
         km.sweep_chunk(pos, follower, lcp, cap, lows, state, *best)
         token = first_words >> np.uint64(64 - elem_bits)
         block = dict(zip(SWEEP_COLUMNS, (lcp, token, *best)))
-        kept.append(
-            {name: block[name].astype(dtype, copy=False) for name, dtype in SWEEP_COLUMNS.items()}
-        )
+        kept.append({name: block[name].astype(dtype) for name, dtype in SWEEP_COLUMNS.items()})
         done += n
         if done > budget:  # from now on, to the work files
             for name in SWEEP_COLUMNS:
@@ -293,6 +291,31 @@ def _forward(
         name: np.concatenate([part[name] for part in kept] or [np.zeros(0, dtype)])
         for name, dtype in SWEEP_COLUMNS.items()
     }
+
+
+class _MergedRows:
+    """The forward sweep's arrays for the rows of a merge round, allocated once per job."""
+
+    def __init__(self, layout: Layout, rows: int):
+        self.out = (
+            np.empty(rows, np.int64),  # position
+            np.empty(rows, layout.sort_dtype),  # follow
+            np.empty(rows, np.int64),  # follower (-1 for none)
+            np.empty(rows, np.uint64),  # first key word
+            np.empty(rows, np.uint8),  # lcp with the row before
+        )
+        self.best_len, self.best_pos, self.best_tok = (np.empty(rows, np.int64) for _ in range(3))
+
+    def rows(self, n: int) -> tuple[np.ndarray, ...]:
+        return tuple(x[:n] for x in self.out)
+
+    def best(self, n: int) -> tuple[np.ndarray, ...]:
+        """The sweep's best length, position and token, reset: nothing found yet."""
+        best = self.best_len[:n], self.best_pos[:n], self.best_tok[:n]
+        best[0].fill(0)
+        best[1].fill(km.INF)
+        best[2].fill(0)
+        return best
 
 
 def _column_rows(columns: dict, name: str, a: int, b: int) -> np.ndarray:

@@ -127,20 +127,30 @@ def _common_words(x, y, elem_bits):
 
 
 @njit(cache=True)
-def adjacent_lcp(keys, depth, order, elem_bits):
-    """``lcp[m]`` = common real-token prefix of keys ``order[m-1]`` and ``order[m]`` (lcp[0] = 0)."""
-    lcp = np.zeros(len(order), dtype=np.uint8)
-    for m in range(1, len(order)):
-        a, b = order[m - 1], order[m]
-        lcp[m] = min(_common_words(keys[a], keys[b], elem_bits), depth[a], depth[b])
-    return lcp
-
-
-@njit(cache=True)
-def row_lcp(x, x_depth, y, y_depth, elem_bits):
-    """Common real-token prefix of two packed keys (one row each) of ``x_depth`` and ``y_depth``
-    real elements."""
-    return min(_common_words(x, y, elem_bits), x_depth, y_depth)
+def merged_rows(keys, depth, follow, pos, order, separator, elem_bits, last_key, last_depth, out):
+    """Rows ``order`` of the arena (``keys``, ``depth``, ``follow``, ``pos``), in that order, into
+    ``out`` (``pos``, ``follow``, ``follower``: -1 for the separator, ``first``: the first key
+    word, ``lcp``: the common real-token prefix with the row before). The row before the first
+    is ``last_key`` of ``last_depth[0]`` elements (-1: none); both are left holding the last."""
+    o_pos, o_follow, o_follower, o_first, o_lcp = out
+    for m in range(len(order)):
+        i = order[m]
+        d = np.int64(depth[i])
+        if m > 0:
+            j = order[m - 1]
+            common = min(_common_words(keys[j], keys[i], elem_bits), np.int64(depth[j]), d)
+        elif last_depth[0] >= 0:
+            common = min(_common_words(last_key, keys[i], elem_bits), last_depth[0], d)
+        else:
+            common = 0
+        o_lcp[m] = common
+        o_pos[m] = pos[i]
+        o_follow[m] = follow[i]
+        o_follower[m] = -1 if follow[i] == separator else np.int64(follow[i])
+        o_first[m] = keys[i, 0]
+    i = order[len(order) - 1]
+    last_key[:] = keys[i]
+    last_depth[0] = depth[i]
 
 
 @njit(cache=True)
