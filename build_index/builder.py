@@ -307,6 +307,7 @@ def _build_passes(config, source, kind, vocab, catalog, params) -> BuildResult:
 
             def sorted_done(result):
                 k, seconds, written = result
+                prefix.flush_shard(layout, k)
                 catalog.put({unit_key("p2/shard", k): {"seconds": seconds, "bytes": written}})
                 bar.update()
 

@@ -23,8 +23,8 @@ SORT_BYTES_PER_TOKEN = 28  # memory of sorting a shard, per token of its context
 
 
 def sort_one_shard(layout: Layout, k: int) -> tuple[int, float, int]:
-    """Write the shard's ``.prefix``, ``.run`` and ``.runidx`` atomically; returns (k, seconds,
-    bytes written)."""
+    """Write the shard's ``.prefix``, ``.run`` and ``.runidx`` atomically but unflushed
+    (``flush_shard``); returns (k, seconds, bytes written)."""
     began = time.perf_counter()
     offsets = layout.offsets()
     lo, doc_starts = layout.context_bounds(k, offsets)
@@ -43,11 +43,25 @@ def sort_one_shard(layout: Layout, k: int) -> tuple[int, float, int]:
         layout.sort_depth,
         after,
     )
-    fmt.write_atomic(layout.path(k, "run"), b"".join(run[p].tobytes() for p in RUN_PARTS))
-    fmt.write_atomic(layout.path(k, "runidx"), run["starts"])
-    fmt.write_atomic(layout.path(k, "prefix"), run["order"].astype(fmt.PREFIX_DTYPE, copy=False))
-    written = sum(layout.path(k, kind).stat().st_size for kind in ("prefix", "run", "runidx"))
+    # Not flushed here: the main process flushes them (flush_shard) before it records the shard,
+    # so that this worker sorts its next shard while the disk writes this one.
+    order = run["order"].astype(fmt.PREFIX_DTYPE, copy=False)
+    parts = b"".join(run[p].tobytes() for p in RUN_PARTS)
+    fmt.write_atomic(layout.path(k, "run"), parts, sync=False)
+    fmt.write_atomic(layout.path(k, "runidx"), run["starts"], sync=False)
+    fmt.write_atomic(layout.path(k, "prefix"), order, sync=False)
+    written = sum(layout.path(k, kind).stat().st_size for kind in SORT_FILES)
     return k, time.perf_counter() - began, written
+
+
+SORT_FILES = ("prefix", "run", "runidx")
+
+
+def flush_shard(layout: Layout, k: int) -> None:
+    """fsync shard ``k``'s pass-2 files and the index folder (their renames)."""
+    for kind in SORT_FILES:
+        fmt.fsync_path(layout.path(k, kind))
+    fmt.fsync_path(Path(layout.directory))
 
 
 def run_index(layout: Layout, k: int) -> np.ndarray:

@@ -110,15 +110,16 @@ def sha256_file(path: Path, bar=None) -> str:
     return digest.hexdigest()
 
 
-def write_atomic(path: Path, data) -> None:
+def write_atomic(path: Path, data, sync: bool = True) -> None:
     """Write ``data`` (bytes or a numpy array) so readers see the old file or the whole new one.
 
     Temp name, fsync, rename; the temp file is removed if writing fails (e.g. a full disk), and
-    the error names ``path``.
+    the error names ``path``. ``sync=False`` leaves both fsyncs to the caller (``fsync_path`` of
+    the file, then of its folder), which must not count on the file before them.
     """
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     try:
-        write_at(tmp, [(0, data)], create=True)
+        write_at(tmp, [(0, data)], create=True, sync=sync)
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
@@ -127,7 +128,8 @@ def write_atomic(path: Path, data) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_path(path.parent)
+    if sync:
+        fsync_path(path.parent)
 
 
 def write_at(
