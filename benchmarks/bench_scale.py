@@ -11,8 +11,8 @@ that many bytes of pydocs copies, each later copy with its lines shuffled). ``ca
 with ``--memory`` 3/4 of it, beside an uncapped build of ``--small``; ``identical`` builds ``--small``
 capped as well and compares every file; ``peers`` runs infini-gram's indexer on ``--small``;
 ``shards`` builds ``--small`` with each of ``--shard-counts`` shards (1, 8 and 58) and times
-bench_query's lookups (32-byte contexts from pydocs documents, and random bytes). Prints tables and writes
-benchmarks/results/bench_scale.json.
+bench_query's lookups (32-byte contexts from pydocs documents, and random bytes). Prints tables
+and writes benchmarks/results/bench_scale.json.
 """
 
 from __future__ import annotations

@@ -127,6 +127,8 @@ class _Arena:
 
     def move(self, a: int, b: int, to: int) -> None:
         """Move rows ``[a, b)`` to start at row ``to`` (``to <= a``)."""
+        if a in (to, b):
+            return
         for x in (self.keys, self.depth, self.follow, self.pos):
             x[to : to + b - a] = x[a:b]
 
@@ -267,14 +269,14 @@ def _forward(
     merged = _MergedRows(layout, len(arena.pos))
     while (order := _merge_round(readers, pool)) is not None:
         n = len(order)
-        pos, follow, follower, first_words, lcp = out = merged.rows(n)
+        pos, follow, first_words, lcp = out = merged.rows(n)
         km.merged_rows(
             arena.keys, arena.depth, arena.follow, arena.pos, order,
-            layout.separator, elem_bits, last_key, last_depth, out,
+            elem_bits, last_key, last_depth, out,
         )  # fmt: skip
         _write_order(layout, global_start + done, pos, follow, first_words)
         best = merged.best(n)
-        km.sweep_chunk(pos, follower, lcp, cap, lows, state, *best)
+        km.sweep_chunk(pos, _followers(layout, follow), lcp, cap, lows, state, *best)
         token = first_words >> np.uint64(64 - elem_bits)
         block = dict(zip(SWEEP_COLUMNS, (lcp, token, *best)))
         kept.append({name: block[name].astype(dtype) for name, dtype in SWEEP_COLUMNS.items()})
@@ -300,7 +302,6 @@ class _MergedRows:
         self.out = (
             np.empty(rows, np.int64),  # position
             np.empty(rows, layout.sort_dtype),  # follow
-            np.empty(rows, np.int64),  # follower (-1 for none)
             np.empty(rows, np.uint64),  # first key word
             np.empty(rows, np.uint8),  # lcp with the row before
         )

@@ -127,12 +127,12 @@ def _common_words(x, y, elem_bits):
 
 
 @njit(cache=True)
-def merged_rows(keys, depth, follow, pos, order, separator, elem_bits, last_key, last_depth, out):
+def merged_rows(keys, depth, follow, pos, order, elem_bits, last_key, last_depth, out):
     """Rows ``order`` of the arena (``keys``, ``depth``, ``follow``, ``pos``), in that order, into
-    ``out`` (``pos``, ``follow``, ``follower``: -1 for the separator, ``first``: the first key
-    word, ``lcp``: the common real-token prefix with the row before). The row before the first
-    is ``last_key`` of ``last_depth[0]`` elements (-1: none); both are left holding the last."""
-    o_pos, o_follow, o_follower, o_first, o_lcp = out
+    ``out`` (``pos``, ``follow``, ``first``: the first key word, ``lcp``: the common real-token
+    prefix with the row before). The row before the first is ``last_key`` of ``last_depth[0]``
+    elements (-1: none); both are left holding the last."""
+    o_pos, o_follow, o_first, o_lcp = out
     for m in range(len(order)):
         i = order[m]
         d = np.int64(depth[i])
@@ -146,7 +146,6 @@ def merged_rows(keys, depth, follow, pos, order, separator, elem_bits, last_key,
         o_lcp[m] = common
         o_pos[m] = pos[i]
         o_follow[m] = follow[i]
-        o_follower[m] = -1 if follow[i] == separator else np.int64(follow[i])
         o_first[m] = keys[i, 0]
     i = order[len(order) - 1]
     last_key[:] = keys[i]
