@@ -18,6 +18,8 @@ import pytest
 import scipy.fft
 import torch
 from conftest import build_docs, random_documents
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 from test_cli import ENV, run_cli
 
@@ -194,27 +196,53 @@ def test_bit_packing_round_trips_and_is_numpys_packbits(bits):
     assert unpack_bits(packed, bits, 37).tolist() == values.tolist()
 
 
-def test_dct_message_carries_each_tensors_components_in_e4m3():
-    """One message for several tensors: 20-bit records for 8 x 8 chunks (6 index bits, rounded
-    up to the widest chunk's), decoded to the same components with e4m3 values."""
-    torch.manual_seed(4)
-    compression = DCTTopK(chunk=8, k=5)
-    tensors = [torch.randn(16, 24), torch.randn(10), torch.randn(9, 3, 2)]
+def dct_message_of(compression: DCTTopK, tensors: list[torch.Tensor]):
+    """The DeMo message of ``tensors``, its encoder, and each tensor's sent components as
+    ``sent_components`` writes them out."""
     message_of = DCTMessage(compression, [t.shape for t in tensors])
-    assert message_of.bits == 6 + 8
     parts, want = [], []
     for t in tensors:
         index, values = compression.encode(t)
         q, scale = DCTMessage.quantize(values)
         parts.append((index, q, scale))
         want.append(compression.scatter(*sent_components(compression, t), t.shape))
-    message = message_of.encode(parts)
+    return message_of.encode(parts), message_of, want
+
+
+def test_dct_message_carries_each_tensors_components_in_e4m3():
+    """One message for several tensors, decoded to the same components with e4m3 values, in
+    the size that Elias-Fano coding of the indices gives."""
+    torch.manual_seed(4)
+    tensors = [torch.randn(16, 24), torch.randn(10), torch.randn(9, 3, 2)]
+    message, message_of, want = dct_message_of(DCTTopK(chunk=8, k=5), tensors)
     assert message.dtype == torch.uint8 and message.numel() == message_of.nbytes
-    components = sum(compression.kept(t.shape) for t in tensors)
-    assert components == 6 * 5 + 2 * 5 + 2 * 5
-    assert message_of.nbytes == -(-components * 14 // 8) + 4 * len(tensors)
+    # 8 x 8 chunks (width 64, k 5): 3 low bits (64 // 5 = 12), high parts 0..7, so 5 + 8 unary
+    # bits a chunk and 3 + 8-bit records. The vector's chunks (width 8): no low bits, 5 + 8
+    # unary bits, 8-bit records. [16, 24]: 6 chunks -> ceil(78 / 8) + ceil(330 / 8) = 10 + 42;
+    # [10]: 2 chunks -> 4 + 10; [9, 3, 2] as 16 x 8 padded: 2 chunks -> 4 + 14. Scales 3 x 4.
+    assert message_of.nbytes == 12 + (10 + 42) + (4 + 10) + (4 + 14)
     for got, expected in zip(message_of.coefficients(message), want):
         assert torch.equal(got, expected)
+
+
+@settings(max_examples=40, deadline=None)
+@given(chunk=st.integers(1, 12), k=st.integers(1, 160), seed=st.integers(0, 2**16))
+def test_dct_message_round_trips_any_chunk_and_k(chunk, k, seed):
+    """Every chunk size (powers of two or not) and every k, up to all of a chunk."""
+    torch.manual_seed(seed)
+    tensors = [torch.randn(13, 7), torch.randn(11), torch.randn(2, 3, 5)]
+    message, message_of, want = dct_message_of(DCTTopK(chunk=chunk, k=k), tensors)
+    assert message.numel() == message_of.nbytes
+    for got, expected in zip(message_of.coefficients(message), want):
+        assert torch.equal(got, expected)
+
+
+def test_dct_message_with_a_broken_index_code_is_refused():
+    torch.manual_seed(5)
+    message, message_of, _ = dct_message_of(DCTTopK(chunk=8, k=5), [torch.randn(16, 24)])
+    message[4:14] = 0  # the unary vectors of the high parts: no index left
+    with pytest.raises(ValueError, match="corrupt"):
+        message_of.coefficients(message)
 
 
 def test_one_bit_message_is_signs_and_block_means():
