@@ -2,8 +2,8 @@
 
 A worker thread owns the model and a KV cache preallocated for ``max_batch`` sequences; running
 sequence ``i`` lives in cache slot ``i`` (a finished one's slot goes to the last running
-sequence). Each loop the engine admits waiting sequences (one prefill each, taking requests in
-turn), samples the next tokens of every running sequence, looks the newest up in the index (the
+sequence). Each loop the engine admits waiting sequences (taking requests in turn; prompts that
+fit the window go through the model together, in one call per ``MAX_ROWS`` new tokens), samples the next tokens of every running sequence, looks the newest up in the index (the
 online matcher, so the model sees the features it was trained with), then runs one batched
 forward of the new tokens with one batched ∞-gram query. A sequence whose context reached
 ``max_seq_len`` restarts its cache from the second half of its context.
@@ -35,7 +35,7 @@ import torch
 
 from teralm.index import Index
 from teralm.index.query import OnlineMatcher, push_all
-from teralm.infer.decoder import Decoder
+from teralm.infer.decoder import MAX_ROWS, Decoder
 from teralm.infer.mixture import infgram_probs, next_token_logp
 from teralm.infer.precision import autocast
 from teralm.infer.prefix_cache import PrefixCache
@@ -228,18 +228,34 @@ class Engine:
                 self._decode()
 
     def _admit(self) -> None:
+        """Take waiting sequences into free slots. Prompts that fit the window (and are not
+        echoed) run through the model together, new tokens of up to ``MAX_ROWS`` of them a
+        call (``_prefill_group``); the others one by one (``_prefill``)."""
+        group: list[tuple[Sequence, int, int]] = []  # (sequence, slot, tokens found cached)
         while len(self.active) < self.max_batch:
             if self.active and not self.waiting:  # nothing to admit: no lock, no wait
-                return
+                break
             seq = self.waiting.get(timeout=0.05 if not self.active else 0)
             if seq is None:
-                return
+                break
             if seq.cancelled:
                 continue
             slot = len(self.active)
-            self._try(seq, self._prefill, slot)
+            if seq.sampling.echo or len(seq.prompt) > self.model.cfg.max_seq_len:
+                self._prefill_group(group)
+                group = []
+                self._try(seq, self._prefill, slot)
+            else:
+                reused = self._try(seq, self._reuse_prefix, slot)
+                if reused is not None:
+                    rows = len(seq.prompt) - reused
+                    if group and sum(len(s.prompt) - n for s, _, n in group) + rows > MAX_ROWS:
+                        self._prefill_group(group)
+                        group = []
+                    group.append((seq, slot, reused))
             if not seq.done:  # done already: it failed, or has max_tokens 0
                 self.active.append(seq)
+        self._prefill_group(group)
 
     def _retire(self) -> None:
         """Drop finished sequences; the last running one takes a freed slot."""
@@ -253,13 +269,14 @@ class Engine:
                 self.cache.move(len(self.active), i)
                 self.active[i] = last
 
-    def _try(self, seq: Sequence, work: Callable, *args) -> None:
-        """``work(seq, *args)``; if it raises, that sequence ends with an error event and the
-        others go on."""
+    def _try(self, seq: Sequence, work: Callable, *args):
+        """``work(seq, *args)``'s answer; if it raises, that sequence ends with an error event
+        (and None comes back) and the others go on."""
         try:
-            work(seq, *args)
+            return work(seq, *args)
         except Exception as e:
             self._fail(seq, e)
+            return None
 
     def _fail(self, seq: Sequence, error: Exception) -> None:
         log.error("generation failed", exc_info=error)
@@ -286,7 +303,8 @@ class Engine:
             seq.features.append(features)
         self.stats.lookup_s += time.perf_counter() - began
 
-    def _prefill(self, seq: Sequence, slot: int) -> None:
+    def _start(self, seq: Sequence) -> None:
+        """A new sequence's tokens, sampler and matcher, and its prompt's index features."""
         seq.matcher = OnlineMatcher(self.index)
         seq.generator = seq.sampling.generator()
         seq.tokens = list(seq.prompt)
@@ -297,37 +315,68 @@ class Engine:
         else:
             seq.features = [(0, self.index.no_token)] * len(seq.prompt)
         self.stats.prompt_tokens += len(seq.prompt)
-        window, n = self.model.cfg.max_seq_len, len(seq.tokens)
-        if seq.sampling.echo:  # the first token has nothing before it to be scored on
-            seq.on_event(TokenEvent(seq.tokens[0], None, None, prompt=True))
-        if self.prefixes is not None and not seq.sampling.echo and n <= window:
-            logits, gate = self._prefill_reusing(seq, slot)
-        else:
-            start = 0 if seq.sampling.echo else max(0, n - window)
-            while True:  # past one window, as generation goes on: from the previous one's half
-                stop = min(n, start + window)
-                logits, gate = self._forward(seq, slot, start, stop)
-                if seq.sampling.echo:
-                    self._echo(seq, start + window // 2 if start else 1, start, logits, gate)
-                if stop == n:
-                    break
-                start = stop - window // 2
-        last = None if gate is None else gate[-1:]
-        seq.logp = self._logp([seq], [seq.tokens], logits[-1:], last)
+
+    def _ready(self, seq: Sequence, logp: torch.Tensor) -> None:
+        """A prompt is cached: ``logp`` [1, vocab] is what follows it."""
+        seq.logp = logp
         if seq.sampling.max_tokens == 0:
             seq.done = True
             seq.on_event(TokenEvent(None, finish="length"))
 
-    def _prefill_reusing(self, seq: Sequence, slot: int):
-        """Cache a prompt that fits the window in ``slot``, reusing the keys and values of its
-        longest cached prefix: the logits and gate logits of the tokens past it."""
-        n = len(seq.tokens)
+    def _prefill(self, seq: Sequence, slot: int) -> None:
+        """Cache a prompt that is echoed or longer than the window in ``slot`` on its own."""
+        self._start(seq)
+        window, n = self.model.cfg.max_seq_len, len(seq.tokens)
+        if seq.sampling.echo:  # the first token has nothing before it to be scored on
+            seq.on_event(TokenEvent(seq.tokens[0], None, None, prompt=True))
+        start = 0 if seq.sampling.echo else max(0, n - window)
+        while True:  # past one window, as generation goes on: from the previous one's half
+            stop = min(n, start + window)
+            logits, gate = self._forward(seq, slot, start, stop)
+            if seq.sampling.echo:
+                self._echo(seq, start + window // 2 if start else 1, start, logits, gate)
+            if stop == n:
+                break
+            start = stop - window // 2
+        last = None if gate is None else gate[-1:]
+        infgram = self._infgram([seq], [seq.tokens])
+        self._ready(seq, next_token_logp(self.model, logits[-1:], last, infgram))
+
+    def _reuse_prefix(self, seq: Sequence, slot: int) -> int:
+        """Start a prompt that fits the window in ``slot`` with the keys and values of its
+        longest cached prefix: how many tokens that is (0 without a prefix cache)."""
+        self._start(seq)
+        if self.prefixes is None:
+            self.cache.lengths[slot] = 0
+            return 0
         reused = self.prefixes.load(seq.tokens, seq.use_index, self.cache, slot)
         self.stats.cached_prompt_tokens += reused
-        rest = seq.features[reused:]
-        logits, gate = self._run_model(seq.tokens[reused:], rest, [n - reused], slot)
-        self.prefixes.store(seq.tokens, seq.use_index, self.cache, slot)
-        return logits, gate
+        return reused
+
+    def _prefill_group(self, group: list[tuple[Sequence, int, int]]) -> None:
+        """The rest of the prompts in ``group`` (sequences in consecutive slots, with how many
+        of their tokens ``_reuse_prefix`` found cached) in one call of the model and one
+        ∞-gram query. A failure ends the sequences of the group."""
+        if not group:
+            return
+        seqs, first = [seq for seq, _, _ in group], group[0][1]
+        counts = [len(seq.tokens) - reused for seq, _, reused in group]
+        tokens = [t for seq, _, reused in group for t in seq.tokens[reused:]]
+        features = [f for seq, _, reused in group for f in seq.features[reused:]]
+        try:
+            logits, gate = self._run_model(tokens, features, counts, first)
+            last = torch.tensor(counts).cumsum(0) - 1
+            infgram = self._infgram(seqs, [seq.tokens for seq in seqs])
+            gates = None if gate is None else gate[last]
+            logp = next_token_logp(self.model, logits[last], gates, infgram)
+        except Exception as e:
+            for seq in seqs:
+                self._fail(seq, e)
+            return
+        for slot, (seq, row) in enumerate(zip(seqs, logp), first):
+            if self.prefixes is not None:
+                self.prefixes.store(seq.tokens, seq.use_index, self.cache, slot)
+            self._ready(seq, row[None])
 
     def _forward(self, seq: Sequence, slot: int, start: int, stop: int):
         """Cache ``tokens[start:stop]`` afresh in ``slot``: their logits [T, vocab] and gate
@@ -345,17 +394,17 @@ class Engine:
         self.stats.model_s += time.perf_counter() - began
         return logits, gate
 
-    def _logp(self, seqs: list[Sequence], contexts: list[list[int]], logits, gate) -> torch.Tensor:
-        """Next-token log-probabilities after each context (row ``b`` of ``seqs[b]``), mixed
-        with the ∞-gram's for sequences that use the index (one query, timed as lookup)."""
-        infgram = None
-        if gate is not None and any(s.use_index for s in seqs):
-            began = time.perf_counter()
-            probs, totals = infgram_probs(self.index, contexts)
-            totals[torch.tensor([not s.use_index for s in seqs])] = 0
-            infgram = probs, totals
-            self.stats.lookup_s += time.perf_counter() - began
-        return next_token_logp(self.model, logits, gate, infgram)
+    def _infgram(self, seqs: list[Sequence], contexts: list[list[int]]):
+        """The ∞-gram's answer after each context (row ``b`` of ``seqs[b]``) for the mixture
+        (``infgram_probs``; nothing counted for sequences that do not use the index), from one
+        query timed as lookup; None when the model mixes none in or no sequence uses it."""
+        if self.model.mixture_gate is None or not any(s.use_index for s in seqs):
+            return None
+        began = time.perf_counter()
+        probs, totals = infgram_probs(self.index, contexts)
+        totals[torch.tensor([not s.use_index for s in seqs])] = 0
+        self.stats.lookup_s += time.perf_counter() - began
+        return probs, totals
 
     def _echo(self, seq: Sequence, first: int, start: int, logits, gate) -> None:
         """Events for prompt tokens ``first ..`` of a window cached from ``start`` (row ``r`` of
@@ -366,8 +415,9 @@ class Engine:
             return
         rows = slice(first - 1 - start, stop - 1 - start)
         tails = [seq.tokens[max(0, p - self.index.max_match) : p] for p in range(first, stop)]
-        logp = self._logp(
-            [seq] * len(tails), tails, logits[rows], None if gate is None else gate[rows]
+        infgram = self._infgram([seq] * len(tails), tails)
+        logp = next_token_logp(
+            self.model, logits[rows], None if gate is None else gate[rows], infgram
         )
         for token, row in zip(seq.tokens[first:stop], logp):
             seq.on_event(TokenEvent(token, float(row[token]), self._top(seq, row), True))
@@ -463,7 +513,6 @@ class Engine:
         counts = [1 + len(s.drafts) for s in seqs]
         tokens = [t for s in seqs for t in (s.tokens[-1], *(d.token for d in s.drafts))]
         features = [f for s in seqs for f in (s.features[-1], *(d.features for d in s.drafts))]
-        logits, gate = self._run_model(tokens, features, counts)
         owners = [s for s, n in zip(seqs, counts) for _ in range(n)]
         tail = self.index.max_match
         contexts = [
@@ -471,7 +520,9 @@ class Engine:
             for s, n in zip(seqs, counts)
             for i in range(n)
         ]
-        logp = self._logp(owners, contexts, logits, gate)
+        logits, gate = self._run_model(tokens, features, counts)
+        infgram = self._infgram(owners, contexts)
+        logp = next_token_logp(self.model, logits, gate, infgram)
         for seq, rows in zip(seqs, logp.split(counts)):
             seq.logp = rows
 

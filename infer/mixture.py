@@ -17,13 +17,14 @@ def infgram_probs(ix: Index, contexts: list[list[int]]) -> tuple[torch.Tensor, t
     counted [B] (0 when nothing follows any suffix; the distribution is then uniform). One
     batched query for all contexts."""
     dists = ix.next_token_distribution([c[-ix.max_match :] for c in contexts])
-    probs = np.full((len(contexts), ix.vocab_size), 1.0 / ix.vocab_size, dtype=np.float32)
+    rows = np.repeat(np.arange(len(contexts)), [len(tokens) for tokens, _ in dists])
+    tokens = np.concatenate([tokens for tokens, _ in dists]).astype(np.int64)
+    counts = np.concatenate([counts for _, counts in dists]).astype(np.int64)
     totals = np.zeros(len(contexts), dtype=np.int64)
-    for row, (tokens, counts) in enumerate(dists):
-        totals[row] = counts.sum()
-        if totals[row]:
-            probs[row] = 0.0
-            probs[row, tokens] = counts / totals[row]
+    np.add.at(totals, rows, counts)
+    probs = np.full((len(contexts), ix.vocab_size), 1.0 / ix.vocab_size, dtype=np.float32)
+    probs[totals > 0] = 0.0
+    probs[rows, tokens] = counts / totals[rows]
     return torch.from_numpy(probs), torch.from_numpy(totals)
 
 

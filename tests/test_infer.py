@@ -308,6 +308,54 @@ def test_prompts_that_begin_alike_reuse_the_cached_keys_and_values(tiny_run):
             assert abs(x.logprob - y.logprob) < 1e-4 and x.top.keys() == y.top.keys()
 
 
+def test_prompts_admitted_together_are_prefilled_together(tiny_run, monkeypatch):
+    """Prompts waiting together run through the model in one call (split where their new
+    tokens pass ``MAX_ROWS``), each after its cached prefix; their events are those of each
+    prompt on its own, without a prefix cache."""
+    ix = tiny_run["ix"]
+    texts = [ix.decode(ix.tokens(*ix.document_range(d))) for d in range(1, 30)]
+    text = next(t for t in texts if len(t) >= 40)
+    base = [int(t) for t in ix.encode(text[:30])]
+    prompts = [
+        base,
+        base[:25] + [int(t) for t in ix.encode("abcde")],
+        [int(t) for t in ix.encode(text[10:30])],
+        [int(t) for t in ix.encode(text[20:24])],
+        [int(t) for t in ix.encode(text[5:40])],
+    ]
+    sampling = Sampling(max_tokens=6, temperature=0, logprobs=2)
+    alone = []
+    engine = Engine(tiny_run["model"], ix, max_batch=1, prefix_cache=0)
+    try:
+        for prompt in prompts:
+            alone += generate_events(engine, [prompt], sampling)
+    finally:
+        engine.close()
+    monkeypatch.setattr("teralm.infer.engine.MAX_ROWS", 48)
+    engine = Engine(tiny_run["model"], ix, max_batch=len(prompts), prefix_cache=1 << 20)
+    calls = []
+    decode = engine.decoder.decode
+
+    def counting(tokens, next_token, match_len, counts, first=0):
+        calls.append(list(counts))
+        return decode(tokens, next_token, match_len, counts, first)
+
+    monkeypatch.setattr(engine.decoder, "decode", counting)
+    try:
+        generate_events(engine, [base], sampling)  # cached: the next two reuse its blocks
+        calls.clear()
+        together = generate_events(engine, prompts, sampling)
+    finally:
+        engine.close()
+    prefills = [c for c in calls if max(c) > 1]
+    # new tokens: 1 (a repeat), 30 - 16 (after the shared block), 20, 4 and 35 (a new prompt)
+    assert prefills[:2] == [[1, 14, 20, 4], [35]]
+    for a, b in zip(alone, together):
+        assert [e.token for e in a] == [e.token for e in b] and len(a) == 6
+        for x, y in zip(a, b):
+            assert abs(x.logprob - y.logprob) < 1e-4 and x.top.keys() == y.top.keys()
+
+
 def test_prefix_cache_drops_the_least_recent_and_checks_tokens(monkeypatch):
     """Past its byte budget the cache drops the entry used longest ago; what it loads is what
     it stored; a prompt whose hashes collide with a cached one's but whose tokens differ gets
