@@ -3,8 +3,9 @@
 A worker thread owns the model and a KV cache preallocated for ``max_batch`` sequences; running
 sequence ``i`` lives in cache slot ``i`` (a finished one's slot goes to the last running
 sequence). Each loop the engine admits waiting sequences (taking requests in turn; prompts that
-fit the window go through the model together, in one call per ``MAX_ROWS`` new tokens), samples the next tokens of every running sequence, looks the newest up in the index (the
-online matcher, so the model sees the features it was trained with), then runs one batched
+fit the window go through the model together, in one call per ``MAX_ROWS`` new tokens), samples
+the next tokens of every running sequence, looks the newest up in the index (the online
+matcher, so the model sees the features it was trained with), then runs one batched
 forward of the new tokens with one batched ∞-gram query. A sequence whose context reached
 ``max_seq_len`` restarts its cache from the second half of its context.
 
