@@ -19,6 +19,7 @@ from teralm.index import format as fmt
 from teralm.kernels.sort import sort_shard
 
 RUN_PARTS = ("lcp", "depth", "follow", "elements")
+SORT_FILES = ("prefix", "run", "runidx")  # pass 2's files of a shard
 SORT_BYTES_PER_TOKEN = 28  # memory of sorting a shard, per token of its context (measured: 24.5)
 
 
@@ -52,9 +53,6 @@ def sort_one_shard(layout: Layout, k: int) -> tuple[int, float, int]:
     fmt.write_atomic(layout.path(k, "prefix"), order, sync=False)
     written = sum(layout.path(k, kind).stat().st_size for kind in SORT_FILES)
     return k, time.perf_counter() - began, written
-
-
-SORT_FILES = ("prefix", "run", "runidx")
 
 
 def flush_shard(layout: Layout, k: int) -> None:

@@ -233,6 +233,7 @@ class Engine:
         echoed) run through the model together, new tokens of up to ``MAX_ROWS`` of them a
         call (``_prefill_group``); the others one by one (``_prefill``)."""
         group: list[tuple[Sequence, int, int]] = []  # (sequence, slot, tokens found cached)
+        group_rows = 0  # new tokens of the group's prompts
         while len(self.active) < self.max_batch:
             if self.active and not self.waiting:  # nothing to admit: no lock, no wait
                 break
@@ -244,16 +245,17 @@ class Engine:
             slot = len(self.active)
             if seq.sampling.echo or len(seq.prompt) > self.model.cfg.max_seq_len:
                 self._prefill_group(group)
-                group = []
+                group, group_rows = [], 0
                 self._try(seq, self._prefill, slot)
             else:
                 reused = self._try(seq, self._reuse_prefix, slot)
                 if reused is not None:
                     rows = len(seq.prompt) - reused
-                    if group and sum(len(s.prompt) - n for s, _, n in group) + rows > MAX_ROWS:
+                    if group and group_rows + rows > MAX_ROWS:
                         self._prefill_group(group)
-                        group = []
+                        group, group_rows = [], 0
                     group.append((seq, slot, reused))
+                    group_rows += rows
             if not seq.done:  # done already: it failed, or has max_tokens 0
                 self.active.append(seq)
         self._prefill_group(group)

@@ -129,7 +129,6 @@ def _front_code(rows, stream, words, depth, follower, lcp, follow, counts, store
     previous_bucket = -1
     for k0 in range(0, len(rows), BLOCK):
         k1 = min(k0 + BLOCK, len(rows))
-        window[0] = window[BLOCK]
         _gather_keys(rows, k0, k1, words, size, key_words, window[1:])
         for j in range(1, k1 - k0 + 1):
             k = k0 + j - 1
@@ -157,7 +156,7 @@ def _front_code(rows, stream, words, depth, follower, lcp, follow, counts, store
             counts[bucket] += 1
             stored[bucket] += np.int64(depth[k]) - common
             previous_bucket = bucket
-        window[BLOCK] = window[k1 - k0]
+        window[0] = window[k1 - k0]
 
 
 @njit(cache=True, inline="always")

@@ -8,6 +8,7 @@ exchange them with fixed-size collectives (gloo gathers bytes, not int16 or fp8)
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -176,6 +177,19 @@ class DCTTopK:
         return self.inverse(self.scatter(index, values, shape), shape)
 
 
+class _TensorLayout(NamedTuple):
+    """One tensor's part of a DeMo message: its chunks, the components kept per chunk, the low
+    bits of an index, the values its high part takes, and the bytes of the unary vectors and of
+    the records."""
+
+    chunks: int
+    k: int
+    low: int
+    buckets: int
+    unary_bytes: int
+    record_bytes: int
+
+
 class DCTMessage:
     """One rank's DeMo message for tensors of ``shapes``: one fp32 scale per tensor, then each
     tensor's kept components, their indices in Elias-Fano code and their values in e4m3.
@@ -189,19 +203,18 @@ class DCTMessage:
 
     def __init__(self, compression: DCTTopK, shapes: list[torch.Size]):
         self.compression, self.shapes = compression, shapes
-        self.counts = [compression.kept(s) for s in shapes]
         self.layouts = [self._layout(s) for s in shapes]
-        self.nbytes = 4 * len(shapes) + sum(
-            math.ceil(chunks * (k + buckets) / 8) + math.ceil(chunks * k * (low + 8) / 8)
-            for chunks, k, low, buckets in self.layouts
-        )
+        self.nbytes = 4 * len(shapes) + sum(t.unary_bytes + t.record_bytes for t in self.layouts)
 
-    def _layout(self, shape: torch.Size) -> tuple[int, int, int, int]:
-        """A tensor's chunks, components kept per chunk, low bits and high values per index."""
+    def _layout(self, shape: torch.Size) -> _TensorLayout:
         width = self.compression.width(shape)
         k = min(self.compression.k, width)
         low = (width // k).bit_length() - 1
-        return self.compression.kept(shape) // k, k, low, ((width - 1) >> low) + 1
+        chunks, buckets = self.compression.kept(shape) // k, ((width - 1) >> low) + 1
+        return _TensorLayout(
+            chunks, k, low, buckets,
+            math.ceil(chunks * (k + buckets) / 8), math.ceil(chunks * k * (low + 8) / 8),
+        )  # fmt: skip
 
     @staticmethod
     def quantize(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,7 +225,7 @@ class DCTMessage:
     def encode(self, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """The message of each tensor's ``(index, e4m3 bytes, scale)``, in ``shapes``' order."""
         out = [torch.cat([s.float() for _, _, s in parts]).view(torch.uint8)]
-        for (index, q, _), (chunks, k, low, buckets) in zip(parts, self.layouts):
+        for (index, q, _), (chunks, k, low, buckets, _, _) in zip(parts, self.layouts):
             index, order = index.reshape(chunks, k).sort(dim=1)
             q = q.reshape(chunks, k).gather(1, order).long()
             rank = torch.arange(k, device=index.device)
@@ -226,17 +239,17 @@ class DCTMessage:
         """Per tensor, the chunks' DCT coefficients [tiles, width] that ``message`` holds."""
         scales = message[: 4 * len(self.shapes)].view(torch.float32)
         out, at = [], 4 * len(self.shapes)
-        for shape, (chunks, k, low, buckets), scale in zip(self.shapes, self.layouts, scales):
-            size = math.ceil(chunks * (k + buckets) / 8)
-            unary = unpack_bits(message[at : at + size], 1, chunks * (k + buckets))
-            at += size
-            slots = unary.view(chunks, k + buckets).nonzero()[:, 1]
-            if slots.numel() != chunks * k:
+        for shape, layout, scale in zip(self.shapes, self.layouts, scales):
+            chunks, k, low, buckets, unary_bytes, record_bytes = layout
+            unary = unpack_bits(message[at : at + unary_bytes], 1, chunks * (k + buckets))
+            unary = unary.view(chunks, k + buckets)
+            at += unary_bytes
+            if not bool((unary.sum(1) == k).all()):
                 raise ValueError(f"a DeMo message without {k} indices in each chunk: corrupt")
-            high = slots.view(chunks, k) - torch.arange(k, device=slots.device)
-            size = math.ceil(chunks * k * (low + 8) / 8)
-            records = unpack_bits(message[at : at + size], low + 8, chunks * k).view(chunks, k)
-            at += size
+            high = unary.nonzero()[:, 1].view(chunks, k) - torch.arange(k, device=unary.device)
+            records = unpack_bits(message[at : at + record_bytes], low + 8, chunks * k)
+            records = records.view(chunks, k)
+            at += record_bytes
             index = (high << low) | (records >> 8)
             values = (records & 255).to(torch.uint8).view(E4M3).float() / scale
             out.append(self.compression.scatter(index, values, shape))
