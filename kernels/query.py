@@ -17,6 +17,8 @@ of the token dtype, shard_tokens, overlap, order bytes, order width, follow, key
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 from numba import carray, njit, types
 from numba.extending import intrinsic
@@ -27,6 +29,7 @@ from teralm.kernels.match import _doc_depth
 # what the kernels raise IndexDamaged with, for a value they cannot use (checked where read)
 ORDER_OUT_OF_RANGE = "an order.positions entry lies outside the corpus"
 FOLLOW_OUT_OF_RANGE = "an order.follow entry lies outside the vocabulary"
+LITTLE_ENDIAN = sys.byteorder == "little"  # order.positions holds little-endian words
 
 
 @intrinsic
@@ -464,6 +467,30 @@ def lookup(
     return summary, ranges[:total_ranges], range_offsets, offsets, rows[: offsets[contexts]], -1
 
 
+@njit(cache=True, inline="always")
+def _earlier_followers(corpus, lo, hi, stride, limit, target, separator):
+    """Of ranks ``lo, lo + stride, ...`` below ``hi``: how many hold a position ``p`` with
+    ``p + 1 < limit`` and a follower, and how many of those followers are ``target``. Branch-free,
+    over the positions as native 32-bit words where the order's width allows it (a loop the
+    compiler vectorises: this scan is most of a training batch's ∞-gram counts)."""
+    follow = corpus[6]
+    total, hits = 0, 0
+    if corpus[5] == 4 and LITTLE_ENDIAN and hi > lo:
+        words = corpus[4][4 * lo : 4 * hi].view(np.uint32)
+        for j in range(0, hi - lo, stride):
+            f = follow[lo + j]
+            ok = (np.int64(words[j]) + 1 < limit) & (f != separator)
+            total += ok
+            hits += ok & (f == target)
+        return total, hits
+    for i in range(lo, hi, stride):
+        f = follow[i]
+        ok = (_position(corpus, i) + 1 < limit) & (f != separator)
+        total += ok
+        hits += ok & (f == target)
+    return total, hits
+
+
 @njit(cache=True, nogil=True)
 def causal_counts(
     corpus,
@@ -491,7 +518,6 @@ def causal_counts(
     out = np.zeros((contexts, 3), dtype=np.int64)
     parts = np.empty((4, 6), dtype=np.int64)
     found = np.empty((16, 2), dtype=np.int64)
-    follow = corpus[6]
     for c in range(contexts):
         end = ctx_starts[c + 1]
         m = _matchable(ctx, ctx_starts[c], end, separator)
@@ -519,11 +545,11 @@ def causal_counts(
             total, hits, passed = 0, 0, 0
             for r in range(count):
                 lo, hi = found[r, 0], found[r, 1]
-                for i in range(lo + (-passed) % stride, hi, stride):
-                    if _position(corpus, i) + 1 < limits[c] and follow[i] != separator:
-                        total += stride
-                        if follow[i] == targets[c]:
-                            hits += stride
+                t, h = _earlier_followers(
+                    corpus, lo + (-passed) % stride, hi, stride, limits[c], targets[c], separator
+                )
+                total += stride * t
+                hits += stride * h
                 passed += hi - lo
             if total > 0:
                 out[c, 0], out[c, 1], out[c, 2] = length, total, hits

@@ -9,7 +9,9 @@ import pytest
 from conftest import build_docs, random_documents
 from test_features import doc_ids_of
 
+from teralm.index import format as fmt
 from teralm.index.query import OnlineMatcher, push_all
+from teralm.kernels import query as kq
 
 
 def occurrences(x, doc_ids, suffix) -> list[int]:
@@ -273,3 +275,27 @@ def test_causal_counts_equal_brute_force(corpus):
                 want = (size, len(ends), sum(int(x[p + 1]) == target for p in ends))
                 break
         assert (length, total, hits) == want, (context, limit)
+
+
+def test_earlier_followers_scan_equals_numpy_at_both_order_widths(corpus):
+    """The causal counts' scan over a rank range, on 4-byte positions (read as words) and the
+    same order written 5 bytes a position (read byte by byte), against numpy."""
+    ix, rng = corpus
+    corpus4 = ix.query.corpus
+    n = len(corpus4[6])
+    positions = fmt.positions(np.asarray(corpus4[4]), 4).astype(np.int64)
+    wide = np.zeros((n, 5), np.uint8)
+    wide[:, :4] = np.asarray(corpus4[4]).reshape(n, 4)
+    corpus5 = (*corpus4[:4], wide.ravel(), 5, *corpus4[6:])
+    follow = np.asarray(corpus4[6]).astype(np.int64)
+    separator = ix.query.separator
+    for _ in range(40):
+        lo, hi = sorted(int(v) for v in rng.integers(0, n + 1, size=2))
+        stride, limit = int(rng.integers(1, 5)), int(rng.integers(0, ix.num_tokens + 2))
+        target = int(follow[rng.integers(0, n)])
+        ranks = np.arange(lo, hi, stride)
+        ok = (positions[ranks] + 1 < limit) & (follow[ranks] != separator)
+        want = (int(ok.sum()), int((ok & (follow[ranks] == target)).sum()))
+        for table in (corpus4, corpus5):
+            got = kq._earlier_followers(table, lo, hi, stride, limit, target, separator)
+            assert tuple(got) == want, (lo, hi, stride, limit, target)

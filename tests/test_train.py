@@ -227,16 +227,24 @@ def test_eval_json_and_fp8_export(corpus, tmp_path):
     assert abs(fp8["model"] - result["model"]) < 0.05 * result["model"]
 
 
-def test_prefetched_batches_are_the_samplers_in_order(corpus):
-    """The background thread changes when a batch is made, not what it holds; closing early
-    stops cleanly."""
-    sampler = FragmentSampler(corpus, 16, 3, seed=5, holdout_every=5, infgram=True)
+@pytest.mark.parametrize("background", [True, False])
+def test_prefetched_batches_are_the_samplers_in_order(corpus, background):
+    """Where a batch is made (a background thread, or the foreground with the ∞-gram counts
+    in worker threads) changes when it is made, not what it holds; closing early stops
+    cleanly."""
+    plain = FragmentSampler(corpus, 16, 3, seed=5, holdout_every=5, infgram=True)
+    threaded = FragmentSampler(
+        corpus, 16, 3, seed=5, holdout_every=5, infgram=True, index_dropout=0.3, workers=3
+    )
+    alone = FragmentSampler(corpus, 16, 3, seed=5, holdout_every=5, infgram=True, index_dropout=0.3)
     keys = [(step, micro) for step in range(4) for micro in range(2)]
-    for key, batch in zip(keys, prefetched(sampler, keys), strict=True):
-        want = sampler.batch(*key)
-        for field in fields(batch):
-            assert torch.equal(getattr(batch, field.name), getattr(want, field.name))
-    early = prefetched(sampler, keys)
+    for sampler, reference in ((plain, plain), (threaded, alone)):
+        for key, batch in zip(keys, prefetched(sampler, keys, background), strict=True):
+            want = reference.batch(*key)
+            for field in fields(batch):
+                assert torch.equal(getattr(batch, field.name), getattr(want, field.name))
+    assert threaded.batch(1).infgram_total.any()
+    early = prefetched(plain, keys, background)
     next(early)
     early.close()
 

@@ -311,6 +311,7 @@ def _train(
         index_dropout=cfg.index_dropout if config.model.index_input else 0.0,
         rank=world.rank,
         world=world.size,
+        workers=torch.get_num_threads(),
     )
     if world.main:
         record = {"config": config.to_dict(), "index": identity, "precision": precision.to_dict()}
@@ -347,7 +348,7 @@ def _train(
     keys = [
         (step, micro) for step in range(start, cfg.max_steps) for micro in range(cfg.grad_accum)
     ]
-    batches = prefetched(sampler, keys)
+    batches = prefetched(sampler, keys, background=device.type != "cpu")
     with contextlib.ExitStack() as stack:
         stack.enter_context(contextlib.closing(batches))
         metrics = stack.enter_context(open(run / METRICS, "a")) if world.main else None
