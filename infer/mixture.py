@@ -1,7 +1,10 @@
-"""The ∞-gram mixture step: the model's next-token distribution mixed with the index's, through the
-model's learned gate (as in training)."""
+"""The mixture steps: the model's next-token distribution mixed with the ∞-gram's through the
+model's learned gate (as in training), and with the kNN datastore's neighbours (teralm.index.knn)
+at a fixed weight chosen on validation text."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -40,3 +43,36 @@ def next_token_logp(
     probs, totals = infgram
     gate = model.gate_logit(gate.float(), totals.to(gate.device)).cpu()
     return mixture_logp(logp, gate, probs, totals > 0)
+
+
+def knn_weights(distances: np.ndarray, temperature: float) -> np.ndarray:
+    """Each neighbour's share of its row's kNN distribution: a softmax of ``-distance /
+    temperature`` over the row's neighbours (rows without any are all zeros; see
+    teralm.index.knn.Neighbours)."""
+    logits = -np.asarray(distances, dtype=np.float64) / temperature
+    found = np.isfinite(logits)
+    top = np.where(found.any(axis=1), np.where(found, logits, -np.inf).max(axis=1), 0.0)
+    weights = np.where(found, np.exp(logits - top[:, None]), 0.0)
+    total = weights.sum(axis=1, keepdims=True)
+    return np.divide(weights, total, out=np.zeros_like(weights), where=total > 0)
+
+
+def knn_target_probs(tokens: np.ndarray, distances: np.ndarray, targets, temperature: float):
+    """The kNN distribution's probability of each row's target token [n]."""
+    hit = np.asarray(tokens) == np.asarray(targets)[:, None]
+    return (knn_weights(distances, temperature) * hit).sum(axis=1)
+
+
+def knn_mixed_logp(
+    logp: torch.Tensor, tokens: np.ndarray, distances: np.ndarray, temperature: float, lam: float
+) -> torch.Tensor:
+    """``log(lam * p_knn + (1 - lam) * exp(logp))`` over the vocabulary [B, vocab]; rows without
+    neighbours keep ``logp``."""
+    weights = knn_weights(distances, temperature)
+    p_knn = np.zeros(tuple(logp.shape), dtype=np.float64)
+    rows = np.broadcast_to(np.arange(len(tokens))[:, None], tokens.shape)
+    found = weights > 0
+    np.add.at(p_knn, (rows[found], tokens[found]), weights[found])
+    p_knn = torch.from_numpy(p_knn).to(logp.dtype)
+    mixed = torch.logaddexp(math.log(lam) + torch.log(p_knn), math.log1p(-lam) + logp)
+    return torch.where(torch.from_numpy(found.any(axis=1))[:, None], mixed, logp)

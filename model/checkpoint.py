@@ -206,6 +206,22 @@ def load_model_weights(path: Path) -> tuple[dict, dict]:
     return tensors, state
 
 
+def weights_sha256(path: Path) -> str:
+    """The sha256 of the weights ``load_model_weights`` reads for ``path`` (a run, a checkpoint
+    folder or an fp8 export): what a kNN datastore of the model's hidden states depends on."""
+    path = Path(path)
+    if (path / LATEST).exists():
+        path = latest(path)
+    if (path / "state.json").exists():  # the checksum the checkpoint recorded (load checks it)
+        advice = "point latest.json at a complete checkpoint"
+        files = read_json(path / "state.json", advice).get("files")
+        sha = files.get("model.safetensors") if isinstance(files, dict) else None
+        if not isinstance(sha, str):
+            raise ValueError(f"{path / 'state.json'} names no checksum of its weights; {advice}")
+        return sha
+    return fmt.sha256_file(path / EXPORT_WEIGHTS)
+
+
 def export_fp8(model: torch.nn.Module, state: dict, out: Path) -> Path:
     """Write the model with every matrix in e4m3 (one byte per parameter) and its scale: one per
     tensor for Linear weights (the scale fp8 training used), one per row for embeddings."""

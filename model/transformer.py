@@ -269,6 +269,19 @@ class Transformer(nn.Module):
         """Logits [B, T, vocab]; with ``with_gate`` also the mixture gate's logits [B, T] (None
         when the model has no ∞-gram mixture), from the hidden state alone or, given the
         ∞-gram's ``infgram_total`` counts, whole (``gate_logit``)."""
+        logits, gate = self.head(self.hidden(tokens, next_token, match_len))
+        if gate is not None and infgram_total is not None:
+            gate = self.gate_logit(gate, infgram_total)
+        return (logits, gate) if with_gate else logits
+
+    def hidden(
+        self,
+        tokens: torch.Tensor,
+        next_token: torch.Tensor | None = None,
+        match_len: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The last block's output [B, T, d_model] (the final norm's input): what ``head``
+        turns into logits, and the kNN datastore's key (teralm.index.knn)."""
         T = tokens.shape[1]
         if self.cfg.max_seq_len < T:
             raise ValueError(
@@ -278,10 +291,7 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         for block in self.blocks:
             x = block(x, cos, sin)
-        logits, gate = self._head(x)
-        if gate is not None and infgram_total is not None:
-            gate = self.gate_logit(gate, infgram_total)
-        return (logits, gate) if with_gate else logits
+        return x
 
     def decode(
         self,
@@ -302,7 +312,7 @@ class Transformer(nn.Module):
         for block, layer in zip(self.blocks, layers):
             x = block(x, cos, sin, layer)
         cache.lengths[first : first + B] += T
-        return self._head(x)
+        return self.head(x)
 
     def gate_logit(self, gate: torch.Tensor, infgram_total: torch.Tensor) -> torch.Tensor:
         """The mixture gate's logit from the hidden state's part (``gate``, from ``forward``)
@@ -320,7 +330,9 @@ class Transformer(nn.Module):
             x = self.index_input(x, next_token, match_len)
         return x
 
-    def _head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits and the mixture gate's logits from the hidden state (None without a
+        mixture)."""
         h = self.norm(x)
         gate = None if self.mixture_gate is None else self.mixture_gate(h).squeeze(-1).float()
         return F.linear(h, self.embed.weight), gate

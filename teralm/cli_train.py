@@ -64,8 +64,37 @@ def add_parsers(sub) -> None:
     e.add_argument("--index", type=Path, required=True)
     e.add_argument("--max-tokens", type=int, default=100_000, help="held-out targets to score")
     e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.add_argument(
+        "--knn",
+        type=Path,
+        help="also mix in this kNN datastore (build-knn); scores the held-out documents that "
+        "its calibration did not see",
+    )
     e.add_argument("--quiet", action="store_true")
     _add_precision(e)
+
+    k = sub.add_parser("build-knn", help="the kNN datastore of a run's hidden states")
+    k.add_argument("run", type=Path, help="run folder (or fp8 export)")
+    k.add_argument("--index", type=Path, required=True, help="the index the run trained on")
+    k.add_argument("--out", type=Path, help="datastore folder (default: RUN/knn)")
+    k.add_argument(
+        "--factory",
+        help="faiss index factory string (default: Flat up to 2^18 keys, else IVF<√keys>,PQ<d/8>)",
+    )
+    k.add_argument(
+        "--shard-tokens", type=_positive(int), default=1 << 22, help="positions per shard (2^22)"
+    )
+    k.add_argument("--k", type=_positive(int), default=32, help="neighbours per query (32)")
+    k.add_argument("--nprobe", type=_positive(int), default=32, help="IVF lists searched (32)")
+    k.add_argument(
+        "--validation-tokens",
+        type=_positive(int),
+        default=50_000,
+        help="held-out validation tokens the mixture is calibrated on",
+    )
+    k.add_argument("--force", action="store_true", help="replace a different datastore in --out")
+    k.add_argument("--quiet", action="store_true")
+    _add_precision(k)
 
     s = sub.add_parser("sample", help="continue a prompt, with and without the index")
     s.add_argument("run", type=Path)
@@ -225,8 +254,10 @@ def _load(args: argparse.Namespace, device, generating: bool = False):
 
 def _eval(args: argparse.Namespace) -> int:
     from teralm.index import Index
+    from teralm.index.knn import KnnDatastore
     from teralm.infer.precision import default_device
-    from teralm.train.evaluate import score, summarize
+    from teralm.model.checkpoint import weights_sha256
+    from teralm.train.evaluate import document_windows, held_out_documents, score, summarize
 
     try:
         ix = Index.open(args.index)
@@ -235,20 +266,62 @@ def _eval(args: argparse.Namespace) -> int:
         if model.cfg.vocab_size != ix.vocab_size:
             raise ValueError("the run's vocabulary differs from the index's")
         holdout = state["config"]["train"]["holdout_every"]
-        scores = score(ix, model, holdout, args.max_tokens, device, progress=not args.quiet)
+        knn = KnnDatastore.open(args.knn, ix, weights_sha256(args.run)) if args.knn else None
+        docs = held_out_documents(ix, holdout, "test" if knn else "all")
+        windows = list(document_windows(ix, docs, model.cfg.max_seq_len, args.max_tokens))
+        scores = score(ix, model, windows, device, progress=not args.quiet, knn=knn)
     except ValueError as e:
         return _fail("eval", str(e))
-    result = summarize(scores, ix.vocab_size, ix.manifest["tokenizer"] == "bytes")
+    calibration = knn.calibration if knn else None
+    result = summarize(scores, ix.vocab_size, ix.manifest["tokenizer"] == "bytes", calibration)
     if args.json:
         print(json.dumps(result))
         return 0
-    unit = result["metric"]
-    print(f"held-out {unit} on {result['tokens']:,} tokens (documents with id % {holdout} == 0)")
+    unit, which = result["metric"], "the test half of the " if knn else ""
     print(
-        f"  model ({'with' if model.cfg.index_input else 'without'} index input)  {result['model']:.4f}"
+        f"held-out {unit} on {result['tokens']:,} tokens ({which}documents with id % {holdout} "
+        "== 0)"
     )
-    print(f"  ∞-gram alone                           {result['infgram']:.4f}")
-    print(f"  model + ∞-gram, λ={result['lambda']:.2f}               {result['interpolated']:.4f}")
+    served = "model" if model.mixture_gate is None else "model + ∞-gram as served"
+    rows = [(served, result["model"])]
+    if model.mixture_gate is not None:
+        rows.append(("model alone (no ∞-gram mixture)", result["model_alone"]))
+    rows += [
+        ("∞-gram alone", result["infgram"]),
+        (f"model + ∞-gram, λ={result['lambda']:.2f} (best)", result["interpolated"]),
+    ]
+    if knn:
+        rows.append((f"{served} + kNN", result["model_knn"]))
+        if model.mixture_gate is not None:
+            rows.append(("model alone + kNN", result["model_alone_knn"]))
+    for label, value in rows:
+        print(f"  {label:<40} {value:.4f}")
+    return 0
+
+
+def _build_knn(args: argparse.Namespace) -> int:
+    from teralm.build_index.knn import KnnBuildConfig, build_knn, format_summary
+
+    config = KnnBuildConfig(
+        run=args.run,
+        index=args.index,
+        out=args.out or args.run / "knn",
+        factory=args.factory,
+        shard_tokens=args.shard_tokens,
+        k=args.k,
+        nprobe=args.nprobe,
+        validation_tokens=args.validation_tokens,
+        precision=args.precision or "auto",
+        force=args.force,
+        progress=not args.quiet,
+    )
+    try:
+        result = build_knn(config)
+    except ValueError as e:
+        return _fail("build-knn", str(e))
+    except KeyboardInterrupt:
+        return _fail("build-knn", "interrupted; run the same command again to resume")
+    print(format_summary(result, config.out))
     return 0
 
 
@@ -354,6 +427,7 @@ COMMANDS = {
     "serve": _serve,
     "train": _train,
     "eval": _eval,
+    "build-knn": _build_knn,
     "sample": _sample,
     "export-fp8": _export,
 }

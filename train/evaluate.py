@@ -17,6 +17,8 @@ import torch
 from tqdm import tqdm
 
 from teralm.index import Index
+from teralm.index.knn import KnnDatastore
+from teralm.infer.mixture import knn_weights
 from teralm.infer.precision import autocast
 from teralm.model import Transformer
 from teralm.model.transformer import index_lm_loss
@@ -28,24 +30,39 @@ LAMBDAS = np.round(np.arange(0.05, 1.0, 0.05), 2)
 
 @dataclass
 class Scores:
-    """Per scored token: log-probability under the model, and the causal ∞-gram counts."""
+    """Per scored token: log-probability under the model as served (mixed with the ∞-gram
+    through its gate, when it has one) and under its own head alone, and the causal ∞-gram
+    counts. With a kNN datastore also the neighbours' squared distances [n, k] and which of
+    them were followed by the token (``knn_hits``)."""
 
     model_logp: np.ndarray
+    own_logp: np.ndarray
     total: np.ndarray
     hits: np.ndarray
+    knn_distances: np.ndarray | None = None
+    knn_hits: np.ndarray | None = None
 
 
-def held_out_windows(ix: Index, holdout_every: int, seq_len: int, max_tokens: int):
-    """``(doc_start, start, length)`` windows over the held-out documents, in id order, until
-    ``max_tokens`` targets are covered (each window predicts tokens ``start+1 .. start+length``
-    of the document that begins at ``doc_start``)."""
+def held_out_documents(ix: Index, holdout_every: int, part: str = "all") -> list[int]:
+    """The held-out documents in id order: ``all``, or alternate ones as ``validation`` (the
+    2nd, 4th, ...: where the kNN mixture's weights are chosen) and ``test`` (the others)."""
+    docs = [d for d in range(ix.num_documents) if held_out(d, holdout_every)]
+    return {"all": docs, "validation": docs[1::2], "test": docs[0::2]}[part]
+
+
+def document_windows(ix: Index, docs, seq_len: int, max_tokens: int | None = None):
+    """``(doc_start, start, length)`` windows over the documents, in order, until
+    ``max_tokens`` targets are covered (each window predicts tokens ``start+1 ..
+    start+length`` of the document that begins at ``doc_start``)."""
     covered = 0
-    for doc in filter(lambda d: held_out(d, holdout_every), range(ix.num_documents)):
+    for doc in docs:
         start, stop = ix.document_range(doc)
         for a in range(start, stop - 1, seq_len):
-            length = min(seq_len, stop - 1 - a, max_tokens - covered)
-            if length <= 0:
-                return
+            length = min(seq_len, stop - 1 - a)
+            if max_tokens is not None:
+                length = min(length, max_tokens - covered)
+                if length <= 0:
+                    return
             yield start, a, length
             covered += length
 
@@ -54,16 +71,19 @@ def held_out_windows(ix: Index, holdout_every: int, seq_len: int, max_tokens: in
 def score(
     ix: Index,
     model: Transformer,
-    holdout_every: int,
-    max_tokens: int,
+    windows: list[tuple[int, int, int]],
     device: torch.device,
     progress: bool = True,
+    knn: KnnDatastore | None = None,
 ) -> Scores:
-    """Model log-probabilities (mixed with the causal ∞-gram when the model has an ∞-gram
-    mixture, as in training) and the ∞-gram counts of the held-out targets."""
+    """Model log-probabilities (as served and alone) and the ∞-gram counts of the windows'
+    targets (``document_windows``); with ``knn``, also the neighbours of each position's
+    hidden state."""
+    if not windows:
+        raise ValueError("no held-out text to score: the index has no held-out documents")
     cfg = model.cfg
-    logps, totals, hits = [], [], []
-    windows = list(held_out_windows(ix, holdout_every, cfg.max_seq_len, max_tokens))
+    columns: dict[str, list[np.ndarray]] = {name: [] for name in ("served", "own", "total", "hits")}
+    neighbours: list[tuple[np.ndarray, np.ndarray]] = []
     for doc_start, a, length in tqdm(windows, desc="eval", unit="window", disable=not progress):
         window = fragment(ix, a, length)
         total, hit = causal_infgram(ix, a + 1, length, doc_start, window[2])
@@ -71,28 +91,34 @@ def score(
             torch.from_numpy(x)[None].to(device) for x in (*window, total, hit)
         )
         with autocast(device, cfg.precision):
-            logits, gate = model(tokens, next_token, match_len, with_gate=True)
+            hidden = model.hidden(tokens, next_token, match_len)
+            logits, gate = model.head(hidden)
         if gate is not None:
             gate = model.gate_logit(gate, counted)
-        nll, _ = index_lm_loss(
-            logits[0],
-            None if gate is None else gate[0],
-            targets[0],
-            counted[0],
-            hits_t[0],
+        served, own = index_lm_loss(
+            logits[0], None if gate is None else gate[0], targets[0], counted[0], hits_t[0],
             reduce=False,
-        )
-        logps.append(-nll.cpu().numpy().astype(np.float64))
-        totals.append(total)
-        hits.append(hit)
-    if not windows:
-        raise ValueError("no held-out text to score: the index has no held-out documents")
-    return Scores(np.concatenate(logps), np.concatenate(totals), np.concatenate(hits))
+        )  # fmt: skip
+        columns["served"].append(-served.cpu().numpy().astype(np.float64))
+        columns["own"].append(-own.cpu().numpy().astype(np.float64))
+        columns["total"].append(total)
+        columns["hits"].append(hit)
+        if knn is not None:
+            found = knn.search(hidden[0].float().cpu().numpy())
+            neighbours.append((found.distances, found.tokens == window[3][:, None]))
+    joined = {name: np.concatenate(parts) for name, parts in columns.items()}
+    scores = Scores(joined["served"], joined["own"], joined["total"], joined["hits"])
+    if knn is not None:
+        scores.knn_distances = np.concatenate([d for d, _ in neighbours])
+        scores.knn_hits = np.concatenate([h for _, h in neighbours])
+    return scores
 
 
-def summarize(scores: Scores, vocab_size: int, byte_level: bool) -> dict:
-    """bpb (bytes) or perplexity (BPE) for the model, the ∞-gram alone and the interpolation at
-    the best fixed weight λ on a grid (chosen on the scored text: the interpolation's best case)."""
+def summarize(scores: Scores, vocab_size: int, byte_level: bool, knn: dict | None = None) -> dict:
+    """bpb (bytes) or perplexity (BPE) for the model as served and alone, the ∞-gram alone, and
+    the interpolation at the best fixed weight λ on a grid (chosen on the scored text: the
+    interpolation's best case). With ``knn`` (a datastore's calibration, chosen on other text)
+    and the scores' neighbours, also each model mixed with the kNN distribution."""
     p_model = np.exp(scores.model_logp)
     seen = scores.total > 0
     p_inf = np.where(seen, scores.hits / np.maximum(scores.total, 1), 0.0)
@@ -109,12 +135,51 @@ def summarize(scores: Scores, vocab_size: int, byte_level: bool) -> dict:
         for lam in LAMBDAS
     }
     best = min(mixes, key=mixes.get)
-    return {
+    result = {
         "metric": "bpb" if byte_level else "ppl",
         "model": metric(p_model),
+        "model_alone": metric(np.exp(scores.own_logp)),
         "infgram": metric(p_alone),
         "interpolated": mixes[best],
         "lambda": best,
         "tokens": int(len(p_model)),
         "infgram_coverage": float(seen.mean()),
     }
+    if knn is not None and scores.knn_distances is not None:
+        for base, logp in (("model", scores.model_logp), ("model_alone", scores.own_logp)):
+            p = knn_mixture(logp, scores.knn_distances, scores.knn_hits, **knn[base])
+            result[f"{base}_knn"] = metric(p)
+    return result
+
+
+def knn_mixture(
+    logp: np.ndarray, distances: np.ndarray, hits: np.ndarray, temperature: float, lam: float
+) -> np.ndarray:
+    """``lam * p_knn + (1 - lam) * p`` of each scored token (``p = exp(logp)``; tokens without
+    neighbours keep ``p``)."""
+    p_knn = (knn_weights(distances, temperature) * hits).sum(axis=1)
+    p = np.exp(logp)
+    return np.where(np.isfinite(distances).any(axis=1), lam * p_knn + (1 - lam) * p, p)
+
+
+def calibrate_knn(scores: Scores) -> dict:
+    """The kNN temperature and weight that give each model (as served, and alone) its lowest
+    loss on these scores, from a grid: temperatures from 1/8 to 8 times the median distance to
+    the nearest key, in steps of √2, and ``LAMBDAS``."""
+    distances, hits = scores.knn_distances, scores.knn_hits
+    nearest = distances[:, 0][np.isfinite(distances[:, 0])]
+    if not len(nearest):
+        raise ValueError("no scored position has a neighbour in the datastore")
+    scale = max(float(np.median(nearest)), 1e-6)
+    found = np.isfinite(distances).any(axis=1)
+    best: dict[str, tuple[float, dict]] = {}
+    for temperature in scale * 2.0 ** (np.arange(-6, 7) / 2):
+        p_knn = (knn_weights(distances, temperature) * hits).sum(axis=1)
+        for base, logp in (("model", scores.model_logp), ("model_alone", scores.own_logp)):
+            p = np.exp(logp)
+            for lam in LAMBDAS:
+                mixed = np.where(found, lam * p_knn + (1 - lam) * p, p)
+                nats = float(-np.log(np.maximum(mixed, 1e-300)).mean())
+                if base not in best or nats < best[base][0]:
+                    best[base] = (nats, {"temperature": float(temperature), "lam": float(lam)})
+    return {base: choice for base, (_, choice) in best.items()}

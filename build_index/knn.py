@@ -1,0 +1,310 @@
+"""``teralm build-knn``: the kNN datastore of a trained run over its index's training text
+(format: teralm.index.knn), built in resumable shards.
+
+1. The faiss index named by the factory string is trained once, on the keys of a random sample of
+   training windows, and written as ``trained.faiss``.
+2. Shard by shard, the training documents that start in the shard's positions go through the
+   model in windows of its context, each document from its start (as ``teralm eval`` reads
+   held-out text). Each position's hidden state is added with the position as its id; the
+   shard's index is written whole (temp name, fsync, rename), then recorded in the manifest. A
+   killed build re-run with the same command redoes only the shard it was in.
+3. Calibration: the kNN distribution's temperature and mixture weight are chosen on the
+   validation half of the held-out documents (no held-out document is in the datastore;
+   ``teralm eval --knn`` scores the other half).
+
+The key is the last block's output, the final norm's input: the state the output layer reads,
+before the norm rescales each channel for the output embedding. Khandelwal et al. found the input
+of the last feed-forward layer the best key for their model; ours is the same residual stream
+one layer on, with that layer's work in it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from teralm.index import Index
+from teralm.index import format as fmt
+from teralm.index.knn import (
+    FORMAT,
+    MANIFEST,
+    TRAINED,
+    VERSION,
+    KnnDatastore,
+    import_faiss,
+    index_identity,
+    read_manifest,
+    shard_path,
+)
+from teralm.infer.load import check_tokenizer, load_model
+from teralm.infer.precision import autocast, default_device
+from teralm.model import Transformer, checkpoint
+from teralm.train.data import fragment, held_out
+from teralm.train.evaluate import (
+    calibrate_knn,
+    document_windows,
+    held_out_documents,
+    score,
+    summarize,
+)
+
+KEY = "final norm input"
+FLAT_KEYS = 1 << 18  # the default factory stores keys whole up to this many (1 KiB each at 256)
+
+
+@dataclass
+class KnnBuildConfig:
+    run: Path
+    index: Path
+    out: Path
+    factory: str | None = None  # default: default_factory(keys, dim)
+    shard_tokens: int = 1 << 22
+    k: int = 32
+    nprobe: int = 32
+    validation_tokens: int = 50_000
+    batch_windows: int = 16
+    precision: str = "auto"
+    force: bool = False
+    progress: bool = True
+
+
+@dataclass
+class KnnBuildResult:
+    manifest: dict
+    wall_s: float
+    built_shards: int
+
+
+def default_factory(keys: int, dim: int) -> str:
+    """``Flat`` for small datastores; else IVF with about √keys lists (a power of two, at least
+    256) and PQ with a byte per 8 dimensions, at most 32 bytes (40 a key with its 8-byte id)."""
+    if keys <= FLAT_KEYS:
+        return "Flat"
+    lists = 1 << max(8, round(math.log2(math.sqrt(keys))))
+    codes = max(m for m in range(1, max(1, min(32, dim // 8)) + 1) if dim % m == 0)
+    return f"IVF{lists},PQ{codes}"
+
+
+def _with_ids(factory: str) -> str:
+    """Factory strings of indexes that keep no ids of their own get an id map."""
+    return factory if "IVF" in factory or factory.startswith("IDMap") else f"IDMap,{factory}"
+
+
+def _training_size(factory: str, keys: int) -> int:
+    """Keys to train on: 64 per IVF list or PQ centroid (faiss asks for at least 39), at most
+    2^18."""
+    lists = int(factory.split("IVF")[1].split(",")[0].split("_")[0]) if "IVF" in factory else 0
+    return min(keys, 1 << 18, 64 * max(lists, 256))
+
+
+class KeyWriter:
+    """Hidden states of training windows: ``keys(windows)`` runs them through the model in
+    batches of ``batch`` (padded to the longest; causal attention keeps padding out of earlier
+    positions) and returns their keys [n, d_model] and positions [n]."""
+
+    def __init__(self, model: Transformer, ix: Index, device: torch.device, batch: int):
+        self.model, self.ix, self.device, self.batch = model, ix, device, batch
+
+    @torch.no_grad()
+    def keys(self, windows: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        keys, positions = [], []
+        for i in range(0, len(windows), self.batch):
+            group = windows[i : i + self.batch]
+            width = max(length for _, _, length in group)
+            columns = np.zeros((3, len(group), width), dtype=np.int64)
+            columns[1] = self.ix.no_token
+            for row, (_, a, length) in enumerate(group):
+                tokens, next_token, match_len, _ = fragment(self.ix, a, length)
+                columns[:, row, :length] = tokens, next_token, match_len
+                positions.append(np.arange(a, a + length))
+            inputs = torch.from_numpy(columns).to(self.device)
+            with autocast(self.device, self.model.cfg.precision):
+                hidden = self.model.hidden(*inputs).float().cpu().numpy()
+            keys += [hidden[row, :length] for row, (_, _, length) in enumerate(group)]
+        if not keys:
+            return np.empty((0, self.model.cfg.d_model), np.float32), np.empty(0, np.int64)
+        return np.concatenate(keys), np.concatenate(positions)
+
+
+def shard_documents(ix: Index, holdout_every: int, shard: int, shard_tokens: int) -> list[int]:
+    """The training documents that start in the shard's positions."""
+    starts = np.asarray(ix.offsets[:-1], dtype=np.int64)
+    a, b = np.searchsorted(starts, [shard * shard_tokens, (shard + 1) * shard_tokens])
+    return [d for d in range(int(a), int(b)) if not held_out(d, holdout_every)]
+
+
+def _write_index(faiss, index, path: Path) -> None:
+    """Write a faiss index so that readers see the old file or the whole new one."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        faiss.write_index(index, str(tmp))
+        fmt.fsync_path(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fmt.fsync_path(path.parent)
+
+
+def _write_manifest(out: Path, manifest: dict) -> None:
+    fmt.write_atomic(out / MANIFEST, json.dumps(manifest, indent=1).encode())
+
+
+def _start(config: KnnBuildConfig, settings: dict) -> dict:
+    """The manifest to continue: a new one, or the folder's own when it was built with the
+    same settings; a ValueError when it holds another datastore (unless ``force``)."""
+    out = config.out
+    if (out / MANIFEST).exists():
+        try:
+            m = read_manifest(out)
+            different = [k for k, v in settings.items() if m.get(k) != v]
+        except ValueError:
+            if not config.force:
+                raise
+            different = ["manifest"]
+        if not different:
+            return m
+        if not config.force:
+            raise ValueError(
+                f"{out} holds a kNN datastore built with other settings ({', '.join(different)}); "
+                "choose another --out, or --force to replace it"
+            )
+        shutil.rmtree(out)
+    elif out.exists() and any(out.iterdir()) and not config.force:
+        raise ValueError(f"{out} exists and is not a kNN datastore; choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    m = {"format": FORMAT, "version": VERSION, **settings, "shards": [], "complete": False}
+    _write_manifest(out, m)
+    return m
+
+
+def build_knn(config: KnnBuildConfig) -> KnnBuildResult:
+    """Build (or resume) the datastore; ValueError with a user message when it cannot."""
+    faiss = import_faiss()
+    began = time.perf_counter()
+    ix = Index.open(config.index)
+    device = default_device()
+    model, state, choice = load_model(config.run, device, config.precision)
+    check_tokenizer(state, ix)
+    trained_on = {k: v for k, v in (state.get("index") or {}).items() if k != "directory"}
+    if trained_on != index_identity(ix):
+        raise ValueError(f"the run was trained on another index than {config.index}")
+    holdout = state["config"]["train"]["holdout_every"]
+    seq_len, dim = model.cfg.max_seq_len, model.cfg.d_model
+    shards = -(-ix.num_tokens // config.shard_tokens)
+    train_docs = [d for d in range(ix.num_documents) if not held_out(d, holdout)]
+    num_keys = sum(int(ix.offsets[d + 1] - ix.offsets[d]) - 1 for d in train_docs)
+    settings = {
+        "weights_sha256": checkpoint.weights_sha256(config.run),
+        "index": index_identity(ix),
+        "key": KEY,
+        "dim": dim,
+        "precision": choice.precision,
+        "factory": config.factory or default_factory(num_keys, dim),
+        "holdout_every": holdout,
+        "seq_len": seq_len,
+        "shard_tokens": config.shard_tokens,
+    }
+    m = _start(config, settings)
+    m["run"] = str(config.run)  # where the weights were read (the checksum is what counts)
+    writer = KeyWriter(model, ix, device, config.batch_windows)
+    if not (config.out / TRAINED).exists():
+        index = faiss.index_factory(dim, _with_ids(m["factory"]))
+        if not index.is_trained:
+            windows = list(document_windows(ix, train_docs, seq_len))
+            order = np.random.default_rng(0).permutation(len(windows))
+            wanted, sample = _training_size(m["factory"], num_keys), []
+            for i in range(0, len(order), config.batch_windows):
+                sample.append(
+                    writer.keys([windows[j] for j in order[i : i + config.batch_windows]])[0]
+                )
+                if sum(map(len, sample)) >= wanted:
+                    break
+            index.train(np.concatenate(sample)[:wanted])
+        _write_index(faiss, index, config.out / TRAINED)
+    done = {s["shard"] for s in m["shards"]}
+    built = 0
+    bar = tqdm(
+        total=num_keys, desc="keys", unit="key", unit_scale=True, disable=not config.progress
+    )
+    bar.update(sum(s["keys"] for s in m["shards"]))
+    for shard in range(shards):
+        if shard in done:
+            continue
+        docs = shard_documents(ix, holdout, shard, config.shard_tokens)
+        windows = list(document_windows(ix, docs, seq_len))
+        index = faiss.read_index(str(config.out / TRAINED))
+        count = 0
+        for i in range(0, len(windows), 16 * config.batch_windows):
+            keys, positions = writer.keys(windows[i : i + 16 * config.batch_windows])
+            index.add_with_ids(keys, positions)
+            count += len(keys)
+            bar.update(len(keys))
+        path = shard_path(config.out, shard)
+        record = {"shard": shard, "keys": count, "file": path.name, "bytes": 0, "sha256": None}
+        if count:
+            _write_index(faiss, index, path)
+            record.update(bytes=path.stat().st_size, sha256=fmt.sha256_file(path))
+        m["shards"].append(record)
+        _write_manifest(config.out, m)
+        built += 1
+    bar.close()
+    calibration = m.get("calibration") or {}
+    if not m["complete"] or (calibration.get("k"), calibration.get("nprobe")) != (
+        config.k,
+        config.nprobe,
+    ):
+        m["calibration"] = calibrate(config, m, ix, model, device)
+        m["complete"] = True
+        _write_manifest(config.out, m)
+    return KnnBuildResult(m, time.perf_counter() - began, built)
+
+
+def calibrate(config: KnnBuildConfig, m: dict, ix: Index, model, device) -> dict:
+    """The kNN mixture's settings, chosen on the validation half of the held-out documents,
+    with the validation scores they give."""
+    docs = held_out_documents(ix, m["holdout_every"], "validation")
+    windows = list(document_windows(ix, docs, m["seq_len"], config.validation_tokens))
+    if not windows:
+        raise ValueError(
+            "no validation text to calibrate the kNN mixture on: the index needs at least two "
+            "held-out documents"
+        )
+    store = KnnDatastore(config.out, m, ix, config.k, config.nprobe)
+    scores = score(ix, model, windows, device, config.progress, store)
+    choice = calibrate_knn(scores)
+    summary = summarize(scores, ix.vocab_size, ix.manifest["tokenizer"] == "bytes", choice)
+    return {"k": config.k, "nprobe": config.nprobe, **choice, "validation": summary}
+
+
+def format_summary(result: KnnBuildResult, out: Path) -> str:
+    """One screen: keys, bytes per token, what the build cost and the calibration."""
+    m = result.manifest
+    keys = sum(s["keys"] for s in m["shards"])
+    stored = sum(s["bytes"] for s in m["shards"]) + (out / TRAINED).stat().st_size
+    c = m["calibration"]
+    v = c["validation"]
+    unit = v["metric"]
+    return "\n".join(
+        [
+            f"datastore  {out}: {keys:,} keys of {m['dim']} ({m['key']}, {m['precision']})",
+            f"faiss      {m['factory']}, {len(m['shards'])} shards, {stored / max(keys, 1):.1f} "
+            f"bytes/token",
+            f"built      {result.built_shards} shards in {result.wall_s:.1f} s"
+            if result.built_shards
+            else "built      every shard earlier",
+            f"calibrated k {c['k']}, nprobe {c['nprobe']}, on {v['tokens']:,} validation tokens:",
+            f"  model as served {v['model']:.4f} {unit}, with kNN {v['model_knn']:.4f} "
+            f"(λ {c['model']['lam']:.2f}, T {c['model']['temperature']:.3g})",
+            f"  model alone     {v['model_alone']:.4f} {unit}, with kNN "
+            f"{v['model_alone_knn']:.4f} (λ {c['model_alone']['lam']:.2f})",
+        ]
+    )

@@ -1,0 +1,172 @@
+"""The embedding index (kNN-LM, Khandelwal et al. 2020): the model's hidden state at every training
+position, searched with faiss; the nearest stored states vote for the tokens that followed them.
+
+A datastore folder (format ``teralm-knn`` version 1):
+
+- ``knn.json``: the manifest: the model weights' sha256 (and the run they were read from) and the
+  token index (its identity without its folder) that the keys come from, the key's width and the precision it was computed in, the
+  faiss factory string, the held-out rule, ``shard_tokens``, the finished shards (keys, bytes,
+  sha256) and, once complete, the calibration chosen on validation text (see
+  teralm.build_index.knn).
+- ``trained.faiss``: the empty index trained on a sample of keys (IVF centroids, PQ codebooks);
+  every shard's index starts from it.
+- ``shard-XXXXX.faiss``: the keys of the training documents that start in positions
+  ``[k * shard_tokens, (k + 1) * shard_tokens)``. A key's faiss id is its corpus position ``p``:
+  the state after reading token ``p``, whose value is token ``p + 1`` of the token index. The
+  datastore stores no values of its own, and every neighbour names its document.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from teralm.index.reader import Index
+
+FORMAT, VERSION = "teralm-knn", 1
+MANIFEST = "knn.json"
+TRAINED = "trained.faiss"
+
+
+def import_faiss():
+    """The faiss module, or a ValueError that says how to install it."""
+    try:
+        import faiss
+    except ImportError:
+        raise ValueError(
+            "the kNN datastore needs faiss: pip install 'teralm[knn]' (faiss-cpu), or "
+            "faiss-gpu-cu12 on a CUDA machine"
+        ) from None
+    return faiss
+
+
+def shard_path(directory: Path, shard: int) -> Path:
+    return Path(directory) / f"shard-{shard:05d}.faiss"
+
+
+def index_identity(ix: Index) -> dict:
+    """What the keys depend on in the token index: its identity, wherever the folder lies."""
+    return {k: v for k, v in ix.identity().items() if k != "directory"}
+
+
+def read_manifest(directory: Path) -> dict:
+    """The datastore's manifest; ValueError when the folder holds none or another format."""
+    path = Path(directory) / MANIFEST
+    try:
+        m = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{directory}: no kNN datastore here (no {MANIFEST})") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} cannot be read ({e}); rebuild the datastore") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a teralm kNN manifest")
+    if m.get("version") != VERSION:
+        raise ValueError(
+            f"{directory} is a version {m.get('version')} datastore; this teralm reads version "
+            f"{VERSION}: rebuild it with teralm build-knn"
+        )
+    return m
+
+
+@dataclass
+class Neighbours:
+    """The ``k`` nearest stored keys of each query, nearest first: squared L2 ``distances``
+    [n, k] (inf where the datastore holds fewer than ``k`` keys), their corpus ``positions``
+    (-1 there) and the ``tokens`` that followed them (-1 there)."""
+
+    distances: np.ndarray
+    positions: np.ndarray
+    tokens: np.ndarray
+
+
+def set_nprobe(index, nprobe: int) -> None:
+    """Inverted lists visited per query, where the index has them."""
+    faiss = import_faiss()
+    with contextlib.suppress(RuntimeError):  # raised for an index without lists
+        faiss.extract_index_ivf(index).nprobe = nprobe
+
+
+class KnnDatastore:
+    """A complete datastore opened for search beside its token index (shards memory-mapped)."""
+
+    def __init__(self, directory: Path, manifest: dict, ix: Index, k: int, nprobe: int):
+        faiss = import_faiss()
+        self.directory, self.manifest, self.ix = Path(directory), manifest, ix
+        self.dim: int = manifest["dim"]
+        self.k = k
+        self.calibration: dict | None = manifest.get("calibration")
+        flags = faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY
+        self.shards = []
+        for shard in manifest["shards"]:
+            if shard["keys"]:
+                index = faiss.read_index(str(self.directory / shard["file"]), flags)
+                set_nprobe(index, nprobe)
+                self.shards.append(index)
+
+    @classmethod
+    def open(cls, directory: Path, ix: Index, weights_sha256: str) -> KnnDatastore:
+        """Open a complete datastore; ValueError unless it was built from this token index
+        and these model weights."""
+        m = read_manifest(directory)
+        if not m.get("complete"):
+            raise ValueError(
+                f"{directory}: the kNN build did not finish; run the same build-knn command "
+                "again to resume it"
+            )
+        if m["index"] != index_identity(ix):
+            raise ValueError(f"{directory} was built from another token index than {ix.directory}")
+        if m["weights_sha256"] != weights_sha256:
+            raise ValueError(
+                f"{directory} holds the hidden states of other model weights than these "
+                f"(built from {m.get('run')}); rebuild it for this run"
+            )
+        for shard in m["shards"]:
+            path = Path(directory) / shard["file"]
+            if shard["keys"] and (not path.exists() or path.stat().st_size != shard["bytes"]):
+                raise ValueError(f"{path} is missing or truncated; rebuild the datastore")
+        return cls(directory, m, ix, m["calibration"]["k"], m["calibration"]["nprobe"])
+
+    @property
+    def num_keys(self) -> int:
+        return sum(shard["keys"] for shard in self.manifest["shards"])
+
+    def search(self, keys: np.ndarray) -> Neighbours:
+        """The ``k`` nearest keys of each row of ``keys`` [n, dim] over every shard, and the
+        tokens that followed them."""
+        k = self.k
+        keys = np.ascontiguousarray(keys, dtype=np.float32)
+        if keys.ndim != 2 or keys.shape[1] != self.dim:
+            raise ValueError(f"queries of shape {keys.shape}; the datastore's keys have {self.dim}")
+        n = len(keys)
+        distances = np.full((n, k), np.inf, dtype=np.float32)
+        positions = np.full((n, k), -1, dtype=np.int64)
+        for index in self.shards:
+            d, p = index.search(keys, k)
+            d[p < 0] = np.inf
+            distances, positions = merge_nearest(distances, positions, d, p, k)
+        tokens = np.full((n, k), -1, dtype=np.int64)
+        found = positions >= 0
+        tokens[found] = take_tokens(self.ix, positions[found] + 1)
+        return Neighbours(distances, positions, tokens)
+
+
+def merge_nearest(d1, p1, d2, p2, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` nearest of two neighbour lists per row (ties: the first list's first)."""
+    d, p = np.concatenate([d1, d2], axis=1), np.concatenate([p1, p2], axis=1)
+    order = np.argsort(d, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(d, order, 1), np.take_along_axis(p, order, 1)
+
+
+def take_tokens(ix: Index, positions: np.ndarray) -> np.ndarray:
+    """The tokens at global ``positions`` (any order), one gather per shard file."""
+    positions = np.asarray(positions, dtype=np.int64)
+    out = np.empty(len(positions), dtype=np.int64)
+    shard = positions // ix.stream.shard_tokens
+    for k in np.unique(shard):
+        rows = shard == k
+        out[rows] = ix.stream.shard(int(k))[positions[rows] - k * ix.stream.shard_tokens]
+    return out

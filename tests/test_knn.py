@@ -1,0 +1,215 @@
+"""The kNN datastore: faiss search against numpy brute force, the mixture against a direct
+computation, resumed builds, refusals, and causality (held-out text never in the datastore)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import build_docs, random_documents
+
+pytest.importorskip("faiss")
+
+from teralm.build_index import knn as build  # noqa: E402
+from teralm.index.knn import KnnDatastore, import_faiss  # noqa: E402
+from teralm.infer.load import load_model  # noqa: E402
+from teralm.infer.mixture import knn_mixed_logp, knn_target_probs, knn_weights  # noqa: E402
+from teralm.model import ModelConfig  # noqa: E402
+from teralm.model.checkpoint import weights_sha256  # noqa: E402
+from teralm.train.config import RunConfig, TrainConfig  # noqa: E402
+from teralm.train.data import held_out  # noqa: E402
+from teralm.train.evaluate import document_windows, knn_mixture  # noqa: E402
+from teralm.train.loop import train  # noqa: E402
+
+HOLDOUT = 10
+DUPLICATE, ORIGINAL = 20, 13  # a held-out document, and the earlier training one it copies
+
+
+def train_tiny(base, ix, name: str, index_input: bool = True) -> dict:
+    config = RunConfig(
+        ModelConfig(n_layer=2, n_head=2, d_model=32, max_seq_len=48, index_input=index_input),
+        TrainConfig(batch_size=4, seq_len=32, max_steps=20, warmup_steps=2, holdout_every=HOLDOUT),
+    )
+    train(ix, config, base / name, progress=False)
+    model, _, _ = load_model(base / name, torch.device("cpu"), "fp32")
+    return {"base": base, "ix": ix, "run": base / name, "model": model}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A corpus whose held-out document 20 is a copy of training document 13."""
+    base = tmp_path_factory.mktemp("knn")
+    docs = random_documents(np.random.default_rng(5), 30, alphabet="abcde", max_len=300)
+    docs[DUPLICATE] = docs[ORIGINAL] = "xy" + docs[ORIGINAL] * 2
+    return base, build_docs(base / "corpus", docs)
+
+
+@pytest.fixture(scope="module")
+def trained(corpus):
+    """A tiny model trained on the corpus with the index, loaded in fp32."""
+    return train_tiny(*corpus, "run")
+
+
+def knn_config(trained, out, **kwargs) -> build.KnnBuildConfig:
+    settings = dict(shard_tokens=1500, precision="fp32", progress=False, k=8)
+    return build.KnnBuildConfig(
+        trained["run"], trained["ix"].directory, out, **{**settings, **kwargs}
+    )
+
+
+@pytest.fixture(scope="module")
+def flat(trained):
+    out = trained["base"] / "flat"
+    build.build_knn(knn_config(trained, out))
+    return KnnDatastore.open(out, trained["ix"], weights_sha256(trained["run"]))
+
+
+@torch.no_grad()
+def hidden_states(model, ix, doc: int) -> tuple[np.ndarray, np.ndarray]:
+    """The hidden state of every position of one document, window by window, unbatched."""
+    keys, positions = [], []
+    for _, a, length in document_windows(ix, [doc], model.cfg.max_seq_len):
+        x = torch.from_numpy(ix.tokens(a, a + length).astype(np.int64))[None]
+        f = ix.features(a, a + length)
+        next_token, match_len = (torch.from_numpy(v.astype(np.int64))[None] for v in f[::-1])
+        keys.append(model.hidden(x, next_token, match_len)[0].numpy())
+        positions.append(np.arange(a, a + length))
+    return np.concatenate(keys), np.concatenate(positions)
+
+
+def test_flat_datastore_equals_brute_force(trained, flat):
+    ix, model = trained["ix"], trained["model"]
+    training = [d for d in range(ix.num_documents) if not held_out(d, HOLDOUT)]
+    keys, positions = map(np.concatenate, zip(*(hidden_states(model, ix, d) for d in training)))
+    assert flat.num_keys == len(keys)
+    queries = np.concatenate([hidden_states(model, ix, d)[0] for d in (0, 10)])
+    found = flat.search(queries)
+    distances = ((queries[:, None, :].astype(np.float64) - keys[None]) ** 2).sum(-1)
+    order = np.argsort(distances, axis=1, kind="stable")[:, : flat.k]
+    want = np.take_along_axis(distances, order, 1)
+    np.testing.assert_allclose(found.distances, want, rtol=1e-4, atol=1e-4)
+    # each neighbour is a stored key at the distance reported (ties may come in any order)
+    column = np.searchsorted(positions, found.positions)
+    assert (positions[column] == found.positions).all()
+    rows = np.arange(len(queries))[:, None]
+    np.testing.assert_allclose(distances[rows, column], found.distances, rtol=1e-4, atol=1e-4)
+    assert len(set(map(tuple, np.sort(found.positions, axis=1)))) > 1
+    np.testing.assert_array_equal(found.tokens, ix.tokens(0, ix.num_tokens)[found.positions + 1])
+
+
+def test_knn_mixture_equals_direct_computation():
+    rng = np.random.default_rng(0)
+    n, k, vocab, temperature, lam = 7, 5, 6, 0.7, 0.3
+    distances = rng.random((n, k)) * 3
+    distances[2, 3:] = np.inf  # fewer neighbours than k
+    distances[4] = np.inf  # none
+    tokens = rng.integers(0, vocab, size=(n, k))
+    targets = rng.integers(0, vocab, size=n)
+    logp = torch.log_softmax(torch.from_numpy(rng.normal(size=(n, vocab))), dim=-1)
+    for i in range(n):
+        weights = [math.exp(-d / temperature) for d in distances[i] if d < np.inf]
+        p_knn = np.zeros(vocab)
+        for d, t in zip(distances[i], tokens[i]):
+            if d < np.inf:
+                p_knn[t] += math.exp(-d / temperature) / sum(weights)
+        p_model = np.exp(logp[i].numpy())
+        want = lam * p_knn + (1 - lam) * p_model if weights else p_model
+        assert math.isclose(knn_weights(distances, temperature)[i].sum(), 1.0 if weights else 0.0)
+        assert math.isclose(knn_target_probs(tokens, distances, targets, temperature)[i], p_knn[targets[i]], abs_tol=1e-12)  # fmt: skip
+        got = knn_mixed_logp(logp, tokens, distances, temperature, lam)[i]
+        np.testing.assert_allclose(np.exp(got.numpy()), want, rtol=1e-9)
+        hits = tokens == targets[:, None]
+        mixed = knn_mixture(logp.numpy()[np.arange(n), targets], distances, hits, temperature, lam)
+        assert math.isclose(mixed[i], want[targets[i]], rel_tol=1e-9)
+
+
+def test_killed_build_resumes_to_the_same_datastore(trained, monkeypatch):
+    whole, resumed = trained["base"] / "whole", trained["base"] / "resumed"
+    factory = "IVF4,Flat"
+    build.build_knn(knn_config(trained, whole, factory=factory))
+    calls, keys = [0], build.KeyWriter.keys
+
+    def dies_in_the_third_shard(self, windows):  # a shard's windows take one call here
+        calls[0] += (resumed / "trained.faiss").exists()
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        return keys(self, windows)
+
+    monkeypatch.setattr(build.KeyWriter, "keys", dies_in_the_third_shard)
+    with pytest.raises(KeyboardInterrupt):
+        build.build_knn(knn_config(trained, resumed, factory=factory))
+    monkeypatch.setattr(build.KeyWriter, "keys", keys)
+    assert len(json.loads((resumed / "knn.json").read_text())["shards"]) == 2
+    result = build.build_knn(knn_config(trained, resumed, factory=factory))
+    assert result.built_shards == len(result.manifest["shards"]) - 2
+    files = sorted(p.name for p in whole.iterdir())
+    assert files == sorted(p.name for p in resumed.iterdir())
+    for name in files:
+        if name != "knn.json":
+            assert (whole / name).read_bytes() == (resumed / name).read_bytes(), name
+    done = [json.loads((d / "knn.json").read_text()) for d in (whole, resumed)]
+    for m in done:
+        m.pop("run")
+    assert done[0] == done[1]
+
+
+def test_mismatched_run_index_or_settings_are_refused(trained, flat, tmp_path):
+    other = build_docs(tmp_path / "other", random_documents(np.random.default_rng(9), 20))
+    config = knn_config(trained, tmp_path / "a")
+    config.index = other.directory
+    with pytest.raises(ValueError, match="trained on another index"):
+        build.build_knn(config)
+    with pytest.raises(ValueError, match="other model weights"):
+        KnnDatastore.open(flat.directory, trained["ix"], "0" * 64)
+    with pytest.raises(ValueError, match="another token index"):
+        KnnDatastore.open(flat.directory, other, weights_sha256(trained["run"]))
+    with pytest.raises(ValueError, match=r"other settings \(factory\)"):
+        build.build_knn(knn_config(trained, flat.directory, factory="IVF4,Flat"))
+
+
+def test_held_out_text_is_not_stored_and_finds_its_training_copy(corpus):
+    """No stored key lies in a held-out document. Read by a model whose keys depend on the
+    text alone, the held-out copy of training document 13 finds, at every position, the same
+    position of document 13 at distance ~0: never itself."""
+    plain = train_tiny(*corpus, "plain", index_input=False)
+    ix, faiss = plain["ix"], import_faiss()
+    build.build_knn(knn_config(plain, plain["base"] / "plain-knn"))
+    store = KnnDatastore.open(plain["base"] / "plain-knn", ix, weights_sha256(plain["run"]))
+    ids = np.concatenate([faiss.vector_to_array(s.id_map) for s in store.shards])
+    documents = np.searchsorted(np.asarray(ix.offsets), ids, side="right") - 1
+    assert not held_out(documents, HOLDOUT).any()
+    keys, positions = hidden_states(plain["model"], ix, DUPLICATE)
+    found = store.search(keys)
+    offset = ix.document_range(ORIGINAL)[0] - ix.document_range(DUPLICATE)[0]
+    assert found.distances[:, 0].max() < 1e-6
+    # past a window's first tokens (whose one- or two-token contexts recur exactly elsewhere)
+    seen = (positions - positions[0]) % plain["model"].cfg.max_seq_len >= 3
+    assert (found.positions[seen, 0] == positions[seen] + offset).all()
+    following = ix.tokens(positions[0] + 1, positions[-1] + 2)
+    np.testing.assert_array_equal(found.tokens[seen, 0], following[seen])
+
+
+def test_build_knn_and_eval_on_the_command_line(trained, tmp_path):
+    run, index, out = trained["run"], trained["ix"].directory, tmp_path / "knn"
+
+    def cli(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "teralm.cli", *map(str, args)], capture_output=True, text=True
+        )
+
+    made = cli("build-knn", run, "--index", index, "--out", out, "--shard-tokens", 2000, "--quiet")
+    assert made.returncode == 0, made.stderr
+    assert "bytes/token" in made.stdout and "with kNN" in made.stdout
+    again = cli("build-knn", run, "--index", index, "--out", out, "--shard-tokens", 2000, "--quiet")
+    assert again.returncode == 0 and "every shard earlier" in again.stdout
+    scored = cli("eval", run, "--index", index, "--knn", out, "--json", "--quiet")
+    assert scored.returncode == 0, scored.stderr
+    result = json.loads(scored.stdout)
+    assert all(0 < result[k] < 9 for k in ("model", "model_knn", "model_alone_knn"))
+    wrong = cli("eval", run, "--index", tmp_path / "nowhere", "--knn", out)
+    assert wrong.returncode == 1 and "Traceback" not in wrong.stderr
