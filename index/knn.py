@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from teralm.index.query import SNIPPET
 from teralm.index.reader import Index
 
 FORMAT, VERSION = "teralm-knn", 1
@@ -152,6 +153,29 @@ class KnnDatastore:
         found = positions >= 0
         tokens[found] = take_tokens(self.ix, positions[found] + 1)
         return Neighbours(distances, positions, tokens)
+
+    def sources(self, found: Neighbours, row: int = 0) -> list[dict]:
+        """Query ``row``'s neighbours as the documents they come from (attribution): the
+        document, its source, the position's offset in it, the distance, the token that
+        followed and a snippet around it."""
+        ix, hits = self.ix, []
+        for p, d, token in zip(found.positions[row], found.distances[row], found.tokens[row]):
+            if p < 0:
+                break
+            doc = int(np.searchsorted(ix.offsets, p, side="right")) - 1
+            first, stop = ix.document_range(doc)
+            a, b = max(first, int(p) - SNIPPET), min(stop, int(p) + 2 + SNIPPET)
+            hits.append(
+                {
+                    "document": doc,
+                    "source": ix.document_source(doc),
+                    "offset": int(p) - first,
+                    "distance": float(d),
+                    "token": int(token),
+                    "snippet": ix.decode(ix.tokens(a, b)),
+                }
+            )
+        return hits
 
 
 def merge_nearest(d1, p1, d2, p2, k: int) -> tuple[np.ndarray, np.ndarray]:

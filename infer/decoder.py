@@ -3,6 +3,8 @@ for small steps when it computes what the model does, else ``Transformer.decode`
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 from numba.typed import List
@@ -32,6 +34,16 @@ def _limit_blas_threads() -> None:
     import scipy.linalg.cython_blas  # noqa: F401  (loads the library numba's np.dot calls)
 
     threadpool_limits(torch.get_num_threads(), user_api="blas")
+
+
+class Decoded(NamedTuple):
+    """What ``Decoder.decode`` gives for its N rows: logits [N, vocab] (fp32), mixture gate
+    logits [N] (None without a mixture) and, when asked for, the hidden states [N, d_model]
+    that the kNN datastore is searched with."""
+
+    logits: torch.Tensor
+    gate: torch.Tensor | None
+    hidden: torch.Tensor | None
 
 
 def _array(t: torch.Tensor) -> np.ndarray:
@@ -64,48 +76,53 @@ class Decoder:
         match_len: list[int],
         counts: list[int],
         first: int = 0,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [N, vocab] and mixture gate logits [N] (None without a mixture) of the
-        ``N = sum(counts)`` tokens; their keys and values are added to the cache. ValueError
-        when a sequence would pass ``max_seq_len``."""
+        keep_hidden: bool = False,
+    ) -> Decoded:
+        """The ``N = sum(counts)`` tokens through the model, their keys and values added to the
+        cache (ValueError when a sequence would pass ``max_seq_len``)."""
         B = len(counts)
         start = self.cache.lengths.numpy()[first : first + B]  # a view of the cache's lengths
         if int((start + np.asarray(counts)).max()) > self.cache.max_len:
             raise ValueError(f"positions beyond max_seq_len {self.cache.max_len}")
         if self.fused and sum(counts) <= MAX_ROWS:
-            return self._fused(tokens, next_token, match_len, counts, first, start)
+            return self._fused(tokens, next_token, match_len, counts, first, start, keep_hidden)
         columns = [torch.tensor(xs, device=self.cache.keys[0].device) for xs in (tokens, next_token, match_len)]  # fmt: skip
         if len(set(counts)) == 1:  # one batched call
-            return self._flat(
-                *self.model.decode(*(c.view(B, -1) for c in columns), self.cache, first)
-            )
-        outputs, offset = [], 0
-        for b, n in enumerate(counts):
-            rows = [c[offset : offset + n].view(1, n) for c in columns]
-            outputs.append(self._flat(*self.model.decode(*rows, self.cache, first + b)))
-            offset += n
-        logits, gates = zip(*outputs)
-        return torch.cat(logits), None if gates[0] is None else torch.cat(gates)
+            hidden = self.model.decode(*(c.view(B, -1) for c in columns), self.cache, first)
+        else:
+            parts, offset = [], 0
+            for b, n in enumerate(counts):
+                rows = [c[offset : offset + n].view(1, n) for c in columns]
+                parts.append(self.model.decode(*rows, self.cache, first + b)[0])
+                offset += n
+            hidden = torch.cat(parts)[None]
+        logits, gate = self.model.head(hidden)
+        return Decoded(
+            logits.flatten(0, 1).float(),
+            None if gate is None else gate.flatten(),
+            hidden.flatten(0, 1).float() if keep_hidden else None,
+        )
 
-    @staticmethod
-    def _flat(logits: torch.Tensor, gate: torch.Tensor | None):
-        return logits.flatten(0, 1).float(), None if gate is None else gate.flatten()
-
-    def _fused(self, tokens, next_token, match_len, counts, first: int, start: np.ndarray):
+    def _fused(self, tokens, next_token, match_len, counts, first, start, keep_hidden):
         """The kernel on the rows; ``start``: the slots' cache lengths (a view, advanced)."""
         n, counts = sum(counts), np.asarray(counts)
         sequence = np.repeat(np.arange(len(counts)), counts)  # of each row
         positions = start[sequence] + np.arange(n) - (np.cumsum(counts) - counts)[sequence]
         logits = np.empty((n, self.model.cfg.vocab_size), dtype=np.float32)
         gate = np.empty(n, dtype=np.float32)
+        hidden = _empty(n if keep_hidden else 0, self.model.cfg.d_model)
         as_array = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
         forward_rows(
             as_array(tokens), as_array(next_token), as_array(match_len), first + sequence, positions,
-            **self._args, logits=logits, gate=gate,
+            **self._args, logits=logits, gate=gate, hidden_out=hidden,
         )  # fmt: skip
         start += counts
         has_gate = self.model.mixture_gate is not None
-        return torch.from_numpy(logits), torch.from_numpy(gate) if has_gate else None
+        return Decoded(
+            torch.from_numpy(logits),
+            torch.from_numpy(gate) if has_gate else None,
+            torch.from_numpy(hidden) if keep_hidden else None,
+        )
 
     def _kernel_arguments(self) -> dict:
         """The kernel's view of the model and the cache: arrays sharing their memory."""

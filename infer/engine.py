@@ -35,9 +35,10 @@ from typing import NamedTuple
 import torch
 
 from teralm.index import Index
+from teralm.index.knn import KnnDatastore
 from teralm.index.query import OnlineMatcher, push_all
-from teralm.infer.decoder import MAX_ROWS, Decoder
-from teralm.infer.mixture import infgram_probs, next_token_logp
+from teralm.infer.decoder import MAX_ROWS, Decoded, Decoder
+from teralm.infer.mixture import infgram_probs, knn_mixed_logp, next_token_logp
 from teralm.infer.precision import autocast
 from teralm.infer.prefix_cache import PrefixCache
 from teralm.infer.sampling import Sampling, check_draft, sample_token, sample_tokens
@@ -148,7 +149,9 @@ PREFIX_CACHE_BYTES = 256 << 20
 class Engine:
     """``speculate``: the most drafted tokens per sequence and step (0: none; default: as many
     as ``DRAFT_TOKENS`` with the fused CPU decoder, where a few more rows cost little, else
-    none). ``prefix_cache``: bytes of recent prompts' keys and values kept for reuse (0: none)."""
+    none). ``prefix_cache``: bytes of recent prompts' keys and values kept for reuse (0: none).
+    ``knn``: a datastore of the model's hidden states, mixed in as calibrated for the model as
+    served, for sequences that use the index."""
 
     def __init__(
         self,
@@ -157,9 +160,11 @@ class Engine:
         max_batch: int = 16,
         speculate: int | None = None,
         prefix_cache: int = PREFIX_CACHE_BYTES,
+        knn: KnnDatastore | None = None,
     ):
         self.model = model.eval()
         self.index = index
+        self.knn = knn
         self.device = next(model.buffers()).device
         self.precision = model.cfg.precision
         dtype = torch.float32 if self.precision == "fp32" else torch.bfloat16
@@ -211,6 +216,20 @@ class Engine:
         if errors:
             raise ValueError(errors[0])
         return outputs
+
+    @torch.inference_mode()
+    def neighbours(self, context: list[int]) -> list[dict]:
+        """The kNN datastore's neighbours of the model's state after ``context`` (its last
+        window), as the documents they come from; [] without a datastore. Safe to call from
+        any thread: it runs the model without the cache."""
+        if self.knn is None or not context:
+            return []
+        context = context[-self.model.cfg.max_seq_len :]
+        lengths, nexts = zip(*OnlineMatcher(self.index).extend(context))
+        columns = (torch.tensor([xs], device=self.device) for xs in (context, nexts, lengths))
+        with autocast(self.device, self.precision):
+            hidden = self.model.hidden(*columns)[0, -1:].float().cpu().numpy()
+        return self.knn.sources(self.knn.search(hidden))
 
     def close(self) -> None:
         self._stop.set()
@@ -335,15 +354,13 @@ class Engine:
         start = 0 if seq.sampling.echo else max(0, n - window)
         while True:  # past one window, as generation goes on: from the previous one's half
             stop = min(n, start + window)
-            logits, gate = self._forward(seq, slot, start, stop)
+            out = self._forward(seq, slot, start, stop)
             if seq.sampling.echo:
-                self._echo(seq, start + window // 2 if start else 1, start, logits, gate)
+                self._echo(seq, start + window // 2 if start else 1, start, out)
             if stop == n:
                 break
             start = stop - window // 2
-        last = None if gate is None else gate[-1:]
-        infgram = self._infgram([seq], [seq.tokens])
-        self._ready(seq, next_token_logp(self.model, logits[-1:], last, infgram))
+        self._ready(seq, self._next_logp([seq], [seq.tokens], out, slice(-1, None)))
 
     def _reuse_prefix(self, seq: Sequence, slot: int) -> int:
         """Start a prompt that fits the window in ``slot`` with the keys and values of its
@@ -367,11 +384,9 @@ class Engine:
         tokens = [t for seq, _, reused in group for t in seq.tokens[reused:]]
         features = [f for seq, _, reused in group for f in seq.features[reused:]]
         try:
-            logits, gate = self._run_model(tokens, features, counts, first)
+            out = self._run_model(tokens, features, counts, first)
             last = torch.tensor(counts).cumsum(0) - 1
-            infgram = self._infgram(seqs, [seq.tokens for seq in seqs])
-            gates = None if gate is None else gate[last]
-            logp = next_token_logp(self.model, logits[last], gates, infgram)
+            logp = self._next_logp(seqs, [seq.tokens for seq in seqs], out, last)
         except Exception as e:
             for seq in seqs:
                 self._fail(seq, e)
@@ -381,21 +396,40 @@ class Engine:
                 self.prefixes.store(seq.tokens, seq.use_index, self.cache, slot)
             self._ready(seq, row[None])
 
-    def _forward(self, seq: Sequence, slot: int, start: int, stop: int):
-        """Cache ``tokens[start:stop]`` afresh in ``slot``: their logits [T, vocab] and gate
-        logits [T] (or None)."""
+    def _forward(self, seq: Sequence, slot: int, start: int, stop: int) -> Decoded:
+        """Cache ``tokens[start:stop]`` afresh in ``slot``: the decoder's output on them."""
         self.cache.lengths[slot] = 0
         features = seq.features[start:stop]
         return self._run_model(seq.tokens[start:stop], features, [stop - start], slot)
 
-    def _run_model(self, tokens, features, counts, first=0):
-        """The decoder on new tokens with their (match length, next token) features."""
+    def _run_model(self, tokens, features, counts, first=0) -> Decoded:
+        """The decoder on new tokens with their (match length, next token) features (with
+        their hidden states when a kNN datastore is mixed in)."""
         began = time.perf_counter()
         with autocast(self.device, self.precision):
             lengths, nexts = zip(*features)
-            logits, gate = self.decoder.decode(tokens, nexts, lengths, counts, first)
+            out = self.decoder.decode(tokens, nexts, lengths, counts, first, self.knn is not None)
         self.stats.model_s += time.perf_counter() - began
-        return logits, gate
+        return out
+
+    def _next_logp(self, owners: list[Sequence], contexts, out: Decoded, rows=slice(None)):
+        """Log-probabilities of the next token after ``rows`` of the decoder's output [R, vocab]
+        (row ``r`` belongs to ``owners[r]``, after ``contexts[r]``): the model's, mixed with the
+        ∞-gram's (one query) and the kNN datastore's (one search) for sequences that use the
+        index."""
+        gate = None if out.gate is None else out.gate[rows]
+        logp = next_token_logp(self.model, out.logits[rows], gate, self._infgram(owners, contexts))
+        using = [r for r, seq in enumerate(owners) if seq.use_index]
+        if self.knn is None or not using:
+            return logp
+        began = time.perf_counter()
+        found = self.knn.search(out.hidden[rows][using].numpy())
+        mix = self.knn.calibration["model"]
+        logp[using] = knn_mixed_logp(
+            logp[using], found.tokens, found.distances, mix["temperature"], mix["lam"]
+        )
+        self.stats.lookup_s += time.perf_counter() - began
+        return logp
 
     def _infgram(self, seqs: list[Sequence], contexts: list[list[int]]):
         """The ∞-gram's answer after each context (row ``b`` of ``seqs[b]``) for the mixture
@@ -409,19 +443,16 @@ class Engine:
         self.stats.lookup_s += time.perf_counter() - began
         return probs, totals
 
-    def _echo(self, seq: Sequence, first: int, start: int, logits, gate) -> None:
+    def _echo(self, seq: Sequence, first: int, start: int, out: Decoded) -> None:
         """Events for prompt tokens ``first ..`` of a window cached from ``start`` (row ``r`` of
-        ``logits`` predicts token ``start + r + 1``): each token's log-probability given those
+        ``out`` predicts token ``start + r + 1``): each token's log-probability given those
         before it."""
-        stop = start + logits.shape[0]
+        stop = start + out.logits.shape[0]
         if first >= stop:
             return
         rows = slice(first - 1 - start, stop - 1 - start)
         tails = [seq.tokens[max(0, p - self.index.max_match) : p] for p in range(first, stop)]
-        infgram = self._infgram([seq] * len(tails), tails)
-        logp = next_token_logp(
-            self.model, logits[rows], None if gate is None else gate[rows], infgram
-        )
+        logp = self._next_logp([seq] * len(tails), tails, out, rows)
         for token, row in zip(seq.tokens[first:stop], logp):
             seq.on_event(TokenEvent(token, float(row[token]), self._top(seq, row), True))
 
@@ -523,9 +554,7 @@ class Engine:
             for s, n in zip(seqs, counts)
             for i in range(n)
         ]
-        logits, gate = self._run_model(tokens, features, counts)
-        infgram = self._infgram(owners, contexts)
-        logp = next_token_logp(self.model, logits, gate, infgram)
+        logp = self._next_logp(owners, contexts, self._run_model(tokens, features, counts))
         for seq, rows in zip(seqs, logp.split(counts)):
             seq.logp = rows
 

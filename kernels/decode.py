@@ -147,11 +147,12 @@ def forward_rows(
     tokens, next_token, match_len, slots, positions,  # [N] each, int64
     embed, next_embed, length_embed, gate_w, gate_b,  # index input: empty arrays when off
     attn_norm, qkv_w, q_norm, k_norm, proj_w, mlp_norm, up_w, down_w, windows,  # per layer
-    norm, mix_w, mix_b, cos, sin, keys, values, swiglu, logits, gate,
+    norm, mix_w, mix_b, cos, sin, keys, values, swiglu, logits, gate, hidden_out,
 ):  # fmt: skip
     """The model's logits [N, vocab] and mixture gate logits [N] (left alone when ``mix_w`` is
     empty) for the rows, with their keys and values added to ``keys``/``values`` (per layer
-    [slots, H, max_seq_len, D]). Per-layer weights come as typed lists."""
+    [slots, H, max_seq_len, D]), and the last block's outputs in ``hidden_out`` [N, d] unless
+    it is empty. Per-layer weights come as typed lists."""
     n, d = tokens.shape[0], embed.shape[1]
     n_head = keys[0].shape[1]
     head_dim = d // n_head
@@ -194,6 +195,8 @@ def forward_rows(
                     act[r, i] = max(up[r, i], np.float32(0.0)) ** 2
         _matmul(act, down_w[layer], y)
         x += y
+    if hidden_out.shape[0]:
+        hidden_out[:] = x
     _rms_norm(x, norm, h)
     _matmul(h, embed, logits)
     if mix_w.shape[0]:

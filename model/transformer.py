@@ -300,10 +300,10 @@ class Transformer(nn.Module):
         match_len: torch.Tensor,
         cache: KVCache,
         first: int = 0,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [B, T, vocab] and mixture gate logits (None without a mixture) of ``tokens``
-        [B, T] that continue the sequences cached in slots ``first .. first + B - 1``; their
-        keys and values are added to the cache."""
+    ) -> torch.Tensor:
+        """The hidden states [B, T, d_model] (see ``hidden``; ``head`` gives their logits) of
+        ``tokens`` [B, T] that continue the sequences cached in slots ``first .. first + B - 1``;
+        their keys and values are added to the cache."""
         B, T = tokens.shape
         layers = cache.layers(first, T, B)
         positions = layers[0].positions
@@ -312,7 +312,7 @@ class Transformer(nn.Module):
         for block, layer in zip(self.blocks, layers):
             x = block(x, cos, sin, layer)
         cache.lengths[first : first + B] += T
-        return self.head(x)
+        return x
 
     def gate_logit(self, gate: torch.Tensor, infgram_total: torch.Tensor) -> torch.Tensor:
         """The mixture gate's logit from the hidden state's part (``gate``, from ``forward``)

@@ -53,6 +53,7 @@ from teralm.server.protocol import (
     LookupResponse,
     ModelCard,
     ModelList,
+    Neighbour,
     Source,
     TokenizeRequest,
     TokenizeResponse,
@@ -322,6 +323,12 @@ class CompletionService:
                 for t, c in zip(found.tokens, found.counts)
             ],
             sources=[Source(**hit) for hit in found.documents],
+            neighbours=None
+            if self.engine.knn is None
+            else [
+                Neighbour(**hit, text=self.texts[hit["token"]])
+                for hit in self.engine.neighbours([int(t) for t in context])
+            ],
         )
 
     def _encode_prompt(self, prompt: str | list[int]) -> list[int]:

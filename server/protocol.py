@@ -154,12 +154,27 @@ class Source(BaseModel):
     snippet: str
 
 
+class Neighbour(BaseModel):
+    """A stored state of the kNN datastore near the model's state after the text: where it was
+    taken (the document, the offset of its token), how near, and the token that followed."""
+
+    document: int
+    source: str
+    offset: int
+    distance: float
+    token: int
+    text: str
+    snippet: str
+
+
 class LookupResponse(BaseModel):
-    """The index's view of a text: its longest match, what followed it, and where."""
+    """The index's view of a text: its longest match, what followed it, and where; with a kNN
+    datastore, also the nearest stored states of the model after the text."""
 
     longest_match: LongestMatch
     continuations: list[Continuation]
     sources: list[Source]
+    neighbours: list[Neighbour] | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class CompletionChunk(BaseModel):

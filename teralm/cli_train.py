@@ -110,6 +110,7 @@ def add_parsers(sub) -> None:
     )
     _add_precision(s)
     _add_speculate(s)
+    _add_knn(s)
 
     v = sub.add_parser("serve", help="serve a run and its index over HTTP (OpenAI-compatible)")
     v.add_argument("--index", type=Path, required=True)
@@ -139,6 +140,7 @@ def add_parsers(sub) -> None:
     )
     _add_precision(v)
     _add_speculate(v)
+    _add_knn(v)
     v.add_argument("--threads", type=_positive(int), help="CPU threads (default: cores - 1)")
 
     x = sub.add_parser("export-fp8", help="write a run's model with fp8 weights")
@@ -151,6 +153,14 @@ def _add_precision(parser: argparse.ArgumentParser) -> None:
         "--precision",
         choices=(AUTO, *PRECISIONS),
         help="auto: bf16 on a GPU or a CPU with native bf16, else fp32",
+    )
+
+
+def _add_knn(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--knn",
+        type=Path,
+        help="mix in this kNN datastore of the run's hidden states (build-knn), with the index",
     )
 
 
@@ -252,11 +262,20 @@ def _load(args: argparse.Namespace, device, generating: bool = False):
     return model, state
 
 
+def _open_knn(args: argparse.Namespace, ix):
+    """The datastore of ``--knn`` for the run (None without the flag); ValueError if it was
+    built from another index or other weights."""
+    if not args.knn:
+        return None
+    from teralm.index.knn import KnnDatastore
+    from teralm.model.checkpoint import weights_sha256
+
+    return KnnDatastore.open(args.knn, ix, weights_sha256(args.run))
+
+
 def _eval(args: argparse.Namespace) -> int:
     from teralm.index import Index
-    from teralm.index.knn import KnnDatastore
     from teralm.infer.precision import default_device
-    from teralm.model.checkpoint import weights_sha256
     from teralm.train.evaluate import document_windows, held_out_documents, score, summarize
 
     try:
@@ -266,7 +285,7 @@ def _eval(args: argparse.Namespace) -> int:
         if model.cfg.vocab_size != ix.vocab_size:
             raise ValueError("the run's vocabulary differs from the index's")
         holdout = state["config"]["train"]["holdout_every"]
-        knn = KnnDatastore.open(args.knn, ix, weights_sha256(args.run)) if args.knn else None
+        knn = _open_knn(args, ix)
         docs = held_out_documents(ix, holdout, "test" if knn else "all")
         windows = list(document_windows(ix, docs, model.cfg.max_seq_len, args.max_tokens))
         scores = score(ix, model, windows, device, progress=not args.quiet, knn=knn)
@@ -339,12 +358,13 @@ def _sample(args: argparse.Namespace) -> int:
         ix = Index.open(args.index)
         model, state = _load(args, default_device(), generating=True)
         check_tokenizer(state, ix)
+        knn = _open_knn(args, ix)
     except ValueError as e:
         return _fail("sample", str(e))
     torch.set_num_threads(inference_threads())
     prompt = [int(t) for t in ix.encode(args.prompt)]
     sampling = Sampling(args.tokens, args.temperature, args.top_p, args.top_k, seed=args.seed)
-    engine = Engine(model, ix, max_batch=1, speculate=args.speculate)
+    engine = Engine(model, ix, max_batch=1, speculate=args.speculate, knn=knn)
     write = lambda text: print(text, end="", flush=True)  # noqa: E731
     try:
         for use_index in [True, False] if model.cfg.index_input else [False]:
@@ -400,11 +420,14 @@ def _serve(args: argparse.Namespace) -> int:
         ix = Index.open(args.index)
         model, state = _load(args, default_device(), generating=True)
         check_tokenizer(state, ix)
+        knn = _open_knn(args, ix)
     except ValueError as e:
         return _fail("serve", str(e))
     torch.set_num_threads(args.threads or inference_threads())
     ix.longest_match([[0]])  # compile and warm the query kernels before the first request
-    engine = Engine(model, ix, args.max_batch, args.speculate, prefix_cache=args.prefix_cache << 20)
+    engine = Engine(
+        model, ix, args.max_batch, args.speculate, prefix_cache=args.prefix_cache << 20, knn=knn
+    )
     limits = Limits(
         max_prompt_tokens=args.max_prompt_tokens,
         max_tokens=args.max_tokens,
@@ -418,6 +441,13 @@ def _serve(args: argparse.Namespace) -> int:
     print(
         f"decoder: {decoder}; drafts from the index: up to {engine.speculate} per step", flush=True
     )
+    if knn is not None:
+        mix = knn.calibration["model"]
+        print(
+            f"kNN: {knn.num_keys:,} keys from {args.knn}, {knn.k} neighbours, weight "
+            f"{mix['lam']:.2f}, temperature {mix['temperature']:.3g}",
+            flush=True,
+        )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     engine.close()
     return 0

@@ -68,9 +68,11 @@ def serve_in_thread(
     limits: Limits | None = None,
     max_batch: int = 16,
     api_key: str | None = KEY,
+    knn=None,
 ) -> Iterator[dict]:
-    """``create_app`` over a real Engine, served by uvicorn on 127.0.0.1 in a thread."""
-    engine = Engine(model, ix, max_batch=max_batch)
+    """``create_app`` over a real Engine (mixing in the kNN datastore ``knn``, if any), served
+    by uvicorn on 127.0.0.1 in a thread."""
+    engine = Engine(model, ix, max_batch=max_batch, knn=knn)
     app = create_app(engine, "teralm-test", limits, api_key)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

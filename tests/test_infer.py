@@ -336,9 +336,9 @@ def test_prompts_admitted_together_are_prefilled_together(tiny_run, monkeypatch)
     calls = []
     decode = engine.decoder.decode
 
-    def counting(tokens, next_token, match_len, counts, first=0):
+    def counting(tokens, next_token, match_len, counts, *rest):
         calls.append(list(counts))
-        return decode(tokens, next_token, match_len, counts, first)
+        return decode(tokens, next_token, match_len, counts, *rest)
 
     monkeypatch.setattr(engine.decoder, "decode", counting)
     try:

@@ -7,18 +7,23 @@ import json
 import math
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 import torch
 from conftest import build_docs, random_documents
+from serving import request, serve_in_thread
 
 pytest.importorskip("faiss")
 
 from teralm.build_index import knn as build  # noqa: E402
 from teralm.index.knn import KnnDatastore, import_faiss  # noqa: E402
+from teralm.index.query import OnlineMatcher  # noqa: E402
+from teralm.infer.engine import Engine, Sequence  # noqa: E402
 from teralm.infer.load import load_model  # noqa: E402
 from teralm.infer.mixture import knn_mixed_logp, knn_target_probs, knn_weights  # noqa: E402
+from teralm.infer.sampling import Sampling  # noqa: E402
 from teralm.model import ModelConfig  # noqa: E402
 from teralm.model.checkpoint import weights_sha256  # noqa: E402
 from teralm.train.config import RunConfig, TrainConfig  # noqa: E402
@@ -213,3 +218,68 @@ def test_build_knn_and_eval_on_the_command_line(trained, tmp_path):
     assert all(0 < result[k] < 9 for k in ("model", "model_knn", "model_alone_knn"))
     wrong = cli("eval", run, "--index", tmp_path / "nowhere", "--knn", out)
     assert wrong.returncode == 1 and "Traceback" not in wrong.stderr
+
+
+def echoed(engine: Engine, prompt: list[int]) -> list[float]:
+    """The engine's log-probability of each prompt token after the first (echo)."""
+    events: list = []
+    engine.submit([Sequence(prompt, Sampling(max_tokens=0, echo=True), events.append)])
+    deadline = time.time() + 120
+    while not (events and events[-1].finish) and time.time() < deadline:
+        time.sleep(0.02)
+    return [e.logprob for e in events if e.prompt][1:]
+
+
+@torch.no_grad()
+def test_engine_mixes_the_neighbours_of_its_hidden_states(trained, flat):
+    """Echoed log-probabilities with the datastore are ``log(λ p_knn + (1 - λ) p)`` of those
+    without it, ``p_knn`` from a search with the model's own forward; the lookup names the
+    neighbours' documents."""
+    ix, model = trained["ix"], trained["model"]
+    start, stop = ix.document_range(0)
+    prompt = [int(t) for t in ix.tokens(start, min(stop, start + model.cfg.max_seq_len))]
+    engines = [Engine(model, ix, max_batch=2, knn=store) for store in (None, flat)]
+    try:
+        plain, mixed = (echoed(engine, prompt) for engine in engines)
+    finally:
+        for engine in engines:
+            engine.close()
+    lengths, nexts = zip(*OnlineMatcher(ix).extend(prompt))
+    columns = (torch.tensor([xs]) for xs in (prompt, nexts, lengths))
+    found = flat.search(model.hidden(*columns)[0].numpy())
+    mix = flat.calibration["model"]
+    p_knn = knn_target_probs(found.tokens, found.distances, prompt[1:] + [0], mix["temperature"])
+    want = np.log(mix["lam"] * p_knn[:-1] + (1 - mix["lam"]) * np.exp(plain))
+    np.testing.assert_allclose(mixed[3:], want[3:], atol=1e-4)  # past ties of short contexts
+    assert not np.allclose(mixed, plain)
+
+
+def test_server_names_the_neighbours_documents(trained, flat):
+    """With a datastore, /v1/lookup and a completion's index view list the neighbours of the
+    model's state after the text, with the documents they come from; without one, neither
+    has the field."""
+    ix, model = trained["ix"], trained["model"]
+    start, _ = ix.document_range(ORIGINAL)
+    text = ix.decode(ix.tokens(start, start + 40))
+    tokens = [int(t) for t in ix.encode(text)]
+    lengths, nexts = zip(*OnlineMatcher(ix).extend(tokens))
+    columns = (torch.tensor([xs]) for xs in (tokens, nexts, lengths))
+    with torch.no_grad():
+        found = flat.search(model.hidden(*columns)[0, -1:].numpy())
+    with serve_in_thread(model, ix, knn=flat) as server:
+        code, answer = request(server["port"], "POST", "/v1/lookup", {"text": text})
+        assert code == 200, answer
+        body = {"prompt": text, "max_tokens": 2, "index": True}
+        code, completion = request(server["port"], "POST", "/v1/completions", body)
+    assert code == 200, completion
+    for neighbours in (answer["neighbours"], completion["index"]["neighbours"]):
+        assert [n["document"] for n in neighbours] == [
+            int(np.searchsorted(ix.offsets, p, side="right")) - 1 for p in found.positions[0]
+        ]
+        first = neighbours[0]
+        doc_start, _ = ix.document_range(first["document"])
+        assert first["offset"] == found.positions[0, 0] - doc_start
+        assert first["text"] == ix.decode([first["token"]]) and first["source"]
+    with serve_in_thread(model, ix) as server:
+        _, answer = request(server["port"], "POST", "/v1/lookup", {"text": text})
+    assert "neighbours" not in answer

@@ -80,7 +80,7 @@ def test_cache_matches_full_forward(config, seed, fused):
             text = Text(rng, int(rng.integers(1, 30)))  # from 16 tokens on: BLAS products
             slot = len(running)
             cache.lengths[slot] = 0
-            logits, gate = decoder.decode(*text.lists(0), [len(text.tokens)], first=slot)
+            logits, gate, _ = decoder.decode(*text.lists(0), [len(text.tokens)], first=slot)
             want_logits, want_gate = full_forward(model, text)
             torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
             assert_gates_close(gate, want_gate)
@@ -103,12 +103,14 @@ def test_cache_matches_full_forward(config, seed, fused):
         for text, n in zip(running, counts):
             text.grow(n)
         rows = [sum((t.lists(-n)[k] for t, n in zip(running, counts)), []) for k in range(3)]
-        logits, gate = decoder.decode(*rows, counts)
+        logits, gate, hidden = decoder.decode(*rows, counts, keep_hidden=True)
         offset = 0
         for b, (text, n) in enumerate(zip(running, counts)):
             want_logits, want_gate = full_forward(model, text)
+            want_hidden = model.hidden(*(torch.tensor([xs]) for xs in text.lists(0)))[0]
             mine = slice(offset, offset + n)
             torch.testing.assert_close(logits[mine], want_logits[-n:], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(hidden[mine], want_hidden[-n:], atol=1e-4, rtol=1e-4)
             assert_gates_close(part(gate, mine), part(want_gate, slice(-n, None)))
             assert int(cache.lengths[b]) == len(text.tokens)
             offset += n
@@ -142,7 +144,7 @@ def test_fused_decoder_hands_large_calls_to_the_model():
     decoder = Decoder(model, cache, fused=True)
     text = Text(np.random.default_rng(5), MAX_ROWS + 4)
     decoder.decode(*text.lists(0, MAX_ROWS + 1), [MAX_ROWS + 1])  # the model's path
-    logits, _ = decoder.decode(*text.lists(MAX_ROWS + 1), [3])  # the kernel's
+    logits, _, _ = decoder.decode(*text.lists(MAX_ROWS + 1), [3])  # the kernel's
     want = full_forward(model, text)[0][MAX_ROWS + 1 :]
     torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
 
