@@ -20,6 +20,7 @@ one layer on, with that layer's work in it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -220,42 +221,22 @@ def build_knn(config: KnnBuildConfig) -> KnnBuildResult:
         index = faiss.index_factory(dim, _with_ids(m["factory"]))
         if not index.is_trained:
             windows = list(document_windows(ix, train_docs, seq_len))
-            order = np.random.default_rng(0).permutation(len(windows))
-            wanted, sample = _training_size(m["factory"], num_keys), []
-            for i in range(0, len(order), config.batch_windows):
-                sample.append(
-                    writer.keys([windows[j] for j in order[i : i + config.batch_windows]])[0]
-                )
-                if sum(map(len, sample)) >= wanted:
-                    break
-            index.train(np.concatenate(sample)[:wanted])
+            _train(
+                faiss,
+                index,
+                _training_keys(writer, windows, _training_size(m["factory"], num_keys)),
+            )
         _write_index(faiss, index, config.out / TRAINED)
     done = {s["shard"] for s in m["shards"]}
-    built = 0
     bar = tqdm(
         total=num_keys, desc="keys", unit="key", unit_scale=True, disable=not config.progress
     )
     bar.update(sum(s["keys"] for s in m["shards"]))
-    for shard in range(shards):
-        if shard in done:
-            continue
+    built = [k for k in range(shards) if k not in done]
+    for shard in built:
         docs = shard_documents(ix, holdout, shard, config.shard_tokens)
-        windows = list(document_windows(ix, docs, seq_len))
-        index = faiss.read_index(str(config.out / TRAINED))
-        count = 0
-        for i in range(0, len(windows), 16 * config.batch_windows):
-            keys, positions = writer.keys(windows[i : i + 16 * config.batch_windows])
-            index.add_with_ids(keys, positions)
-            count += len(keys)
-            bar.update(len(keys))
-        path = shard_path(config.out, shard)
-        record = {"shard": shard, "keys": count, "file": path.name, "bytes": 0, "sha256": None}
-        if count:
-            _write_index(faiss, index, path)
-            record.update(bytes=path.stat().st_size, sha256=fmt.sha256_file(path))
-        m["shards"].append(record)
+        m["shards"].append(_build_shard(faiss, config, writer, ix, shard, docs, bar))
         _write_manifest(config.out, m)
-        built += 1
     bar.close()
     calibration = m.get("calibration") or {}
     if not m["complete"] or (calibration.get("k"), calibration.get("nprobe")) != (
@@ -265,7 +246,46 @@ def build_knn(config: KnnBuildConfig) -> KnnBuildResult:
         m["calibration"] = calibrate(config, m, ix, model, device)
         m["complete"] = True
         _write_manifest(config.out, m)
-    return KnnBuildResult(m, time.perf_counter() - began, built)
+    return KnnBuildResult(m, time.perf_counter() - began, len(built))
+
+
+def _training_keys(writer: KeyWriter, windows: list, n: int) -> np.ndarray:
+    """The keys of the first ``n`` positions of the windows in a fixed random order."""
+    order, keys = np.random.default_rng(0).permutation(len(windows)), []
+    for i in range(0, len(order), writer.batch):
+        keys.append(writer.keys([windows[j] for j in order[i : i + writer.batch]])[0])
+        if sum(map(len, keys)) >= n:
+            break
+    return np.concatenate(keys)[:n]
+
+
+def _train(faiss, index, keys: np.ndarray) -> None:
+    """Train an empty index. With faiss-gpu on a CUDA machine, an IVF index's lists are
+    clustered on the GPUs (the costly part of training); everything else runs on the CPU."""
+    if getattr(faiss, "get_num_gpus", lambda: 0)() > 0:
+        with contextlib.suppress(RuntimeError):  # raised for an index without lists
+            ivf = faiss.extract_index_ivf(index)
+            ivf.clustering_index = faiss.index_cpu_to_all_gpus(faiss.IndexFlatL2(ivf.d))
+    index.train(keys)
+
+
+def _build_shard(faiss, config, writer: KeyWriter, ix: Index, shard: int, docs, bar) -> dict:
+    """Add the keys of the shard's documents to a copy of the trained index and write it whole;
+    the shard's manifest record."""
+    windows = list(document_windows(ix, docs, writer.model.cfg.max_seq_len))
+    index = faiss.read_index(str(config.out / TRAINED))
+    count, step = 0, 16 * writer.batch
+    for i in range(0, len(windows), step):
+        keys, positions = writer.keys(windows[i : i + step])
+        index.add_with_ids(keys, positions)
+        count += len(keys)
+        bar.update(len(keys))
+    path = shard_path(config.out, shard)
+    record = {"shard": shard, "keys": count, "file": path.name, "bytes": 0, "sha256": None}
+    if count:
+        _write_index(faiss, index, path)
+        record.update(bytes=path.stat().st_size, sha256=fmt.sha256_file(path))
+    return record
 
 
 def calibrate(config: KnnBuildConfig, m: dict, ix: Index, model, device) -> dict:
