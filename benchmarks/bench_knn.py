@@ -45,24 +45,26 @@ WORK = CACHE / "knn"
 RUN, STORE = WORK / "run", WORK / "store"
 
 # Words and a replacement of the same sense, for the paraphrase test (lowercase; the case of
-# the first letter is kept).
+# the first letter is kept; "_" stands for a space).
 SYNONYMS = dict(
-    pair.split(":")
-    for pair in """the:this a:one an:one is:remains are:remain was:stood were:stood be:become
-    of:from to:towards and:plus in:within for:towards with:alongside on:upon by:via as:like
-    this:that that:which it:this not:never or:otherwise can:may will:shall if:when use:employ
-    used:employed using:employing returns:gives return:give value:quantity values:quantities
-    function:routine functions:routines object:item objects:items method:procedure
-    methods:procedures module:package modules:packages file:document files:documents
-    new:fresh first:initial default:standard number:count string:text list:sequence
-    example:instance following:next called:named call:invoke create:make created:made
-    all:every each:every any:whatever more:additional only:solely also:additionally
-    see:consult must:should should:ought when:whenever which:that has:holds have:hold
-    data:information type:kind types:kinds name:label names:labels set:assign get:obtain
-    change:alter changed:altered changes:alterations version:release class:category
-    error:fault errors:faults argument:parameter arguments:parameters section:part
-    used:applied may:might other:different same:identical but:yet because:since
-    how:the way all:the whole large:big small:little result:outcome""".split()
+    re.findall(
+        r"(\w+):(\S+)",
+        """the:this a:one an:one is:remains are:remain was:stood were:stood be:become of:from
+        to:towards and:plus in:within for:towards with:alongside on:upon by:via as:like
+        this:that that:which it:this not:never or:otherwise can:may will:shall if:when
+        use:employ used:employed using:employing returns:gives return:give value:quantity
+        values:quantities function:routine functions:routines object:item objects:items
+        method:procedure methods:procedures module:package modules:packages file:document
+        files:documents new:fresh first:initial default:standard number:count string:text
+        list:sequence example:instance following:next called:named call:invoke create:make
+        created:made all:every each:every any:whatever more:additional only:solely
+        also:additionally see:consult must:should should:ought when:whenever which:that
+        has:holds have:hold data:information type:kind types:kinds name:label names:labels
+        set:assign get:obtain change:alter changed:altered changes:alterations
+        version:release class:category error:fault errors:faults argument:parameter
+        arguments:parameters section:part may:might other:different same:identical but:yet
+        because:since how:the_way large:big small:little result:outcome""",
+    )
 )
 WORD = re.compile(r"[A-Za-z]+")
 
@@ -77,6 +79,7 @@ def paraphrase(text: str) -> tuple[str, float]:
         other = SYNONYMS.get(word.lower()) if i % 5 == 4 else None
         if other is None:
             continue
+        other = other.replace("_", " ")
         other = other[0].upper() + other[1:] if word[0].isupper() else other
         out += [text[last : m.start()], other]
         last, swapped = m.end(), swapped + 1
@@ -90,7 +93,10 @@ def score_new_text(model, ix: Index, store: KnnDatastore, tokens: list[int]) -> 
     the model's context from the text's start: the model alone, + ∞-gram as served, and each
     + kNN at its calibrated weight."""
     lengths, nexts = zip(*OnlineMatcher(ix).extend(tokens))
-    window, nats = model.cfg.max_seq_len, {k: [] for k in ("alone", "served", "alone+knn", "served+knn")}
+    window, nats = (
+        model.cfg.max_seq_len,
+        {k: [] for k in ("alone", "served", "alone+knn", "served+knn")},
+    )
     for a in range(0, len(tokens) - 1, window):
         b = min(a + window, len(tokens) - 1)
         columns = (torch.tensor([xs[a:b]]) for xs in (tokens, nexts, lengths))
@@ -126,7 +132,9 @@ def paraphrase_test(model, ix: Index, store: KnnDatastore, max_tokens: int) -> l
     rows = []
     for name, docs in (("unchanged", originals), ("paraphrased", texts)):
         scored = [score_new_text(model, ix, store, [int(t) for t in ix.encode(d)]) for d in docs]
-        bpb = {k: float(np.concatenate([s[k] for s in scored]).mean() / math.log(2)) for k in scored[0]}
+        bpb = {
+            k: float(np.concatenate([s[k] for s in scored]).mean() / math.log(2)) for k in scored[0]
+        }
         rows.append(
             {
                 "text": name,
@@ -187,19 +195,34 @@ def main() -> None:
     teralm_cli("train", "--index", index, "--out", RUN, "--preset", "tiny", "--quiet", "--resume")
     build_log = WORK / "build.json"
     if not build_log.exists():
-        measured = run_measured([*CLI, "build-knn", RUN, "--index", index, "--out", STORE, "--quiet"])
+        measured = run_measured(
+            [*CLI, "build-knn", RUN, "--index", index, "--out", STORE, "--quiet"]
+        )
         if measured["returncode"]:
             raise SystemExit(f"build-knn failed:\n{measured['output']}")
         build_log.write_text(json.dumps(measured))
     build = json.loads(build_log.read_text())
     print(build["output"])
     scored = json.loads(
-        teralm_cli("eval", RUN, "--index", index, "--knn", STORE, "--max-tokens", args.max_tokens, "--json", "--quiet")
+        teralm_cli(
+            "eval",
+            RUN,
+            "--index",
+            index,
+            "--knn",
+            STORE,
+            "--max-tokens",
+            args.max_tokens,
+            "--json",
+            "--quiet",
+        )
     )
     ix = Index.open(index)
     model, _, _ = load_model(RUN, torch.device("cpu"))
     store = KnnDatastore.open(STORE, ix, weights_sha256(RUN))
-    stored = sum(s["bytes"] for s in store.manifest["shards"]) + (STORE / "trained.faiss").stat().st_size
+    stored = (
+        sum(s["bytes"] for s in store.manifest["shards"]) + (STORE / "trained.faiss").stat().st_size
+    )
     rows = [
         {"system": "model alone", "bpb": scored["model_alone"]},
         {"system": "model + kNN", "bpb": scored["model_alone_knn"]},

@@ -38,9 +38,12 @@ from teralm.index import format as fmt
 from teralm.index.knn import (
     FORMAT,
     MANIFEST,
+    MERGED,
+    MERGED_DATA,
     TRAINED,
     VERSION,
     KnnDatastore,
+    datastore_bytes,
     import_faiss,
     index_identity,
     read_manifest,
@@ -238,6 +241,11 @@ def build_knn(config: KnnBuildConfig) -> KnnBuildResult:
         m["shards"].append(_build_shard(faiss, config, writer, ix, shard, docs, bar))
         _write_manifest(config.out, m)
     bar.close()
+    if "IVF" in m["factory"] and not m.get("merged"):
+        m["merged"] = _merge_shards(faiss, config.out, m["shards"])
+        _write_manifest(config.out, m)
+        for shard in m["shards"]:  # merged: the shards' files are work files now
+            shard_path(config.out, shard["shard"]).unlink(missing_ok=True)
     calibration = m.get("calibration") or {}
     if not m["complete"] or (calibration.get("k"), calibration.get("nprobe")) != (
         config.k,
@@ -288,6 +296,29 @@ def _build_shard(faiss, config, writer: KeyWriter, ix: Index, shard: int, docs, 
     return record
 
 
+def _merge_shards(faiss, out: Path, shards: list[dict]) -> dict:
+    """Merge the shards' inverted lists into one index over one on-disk list file (faiss'
+    ondisk merge): one coarse quantizer to search and store instead of one per shard, read
+    memory-mapped. Its manifest record (the list file's name is fixed: the index names it)."""
+    from faiss.contrib.ondisk import merge_ondisk
+
+    data = out / MERGED_DATA
+    data.unlink(missing_ok=True)  # a merge that was killed: start it afresh
+    index = faiss.read_index(str(out / TRAINED))
+    merge_ondisk(index, [str(out / s["file"]) for s in shards if s["keys"]], str(data.resolve()))
+    fmt.fsync_path(data)
+    # the index names its list file: by its name alone (readers look beside the index), so
+    # that the folder can move and its files do not depend on where it was built
+    faiss.downcast_InvertedLists(faiss.extract_index_ivf(index).invlists).filename = MERGED_DATA
+    _write_index(faiss, index, out / MERGED)
+    return {
+        "file": MERGED,
+        "data": MERGED_DATA,
+        "bytes": (out / MERGED).stat().st_size + data.stat().st_size,
+        "sha256": fmt.sha256_file(data),
+    }
+
+
 def calibrate(config: KnnBuildConfig, m: dict, ix: Index, model, device) -> dict:
     """The kNN mixture's settings, chosen on the validation half of the held-out documents,
     with the validation scores they give."""
@@ -309,15 +340,16 @@ def format_summary(result: KnnBuildResult, out: Path) -> str:
     """One screen: keys, bytes per token, what the build cost and the calibration."""
     m = result.manifest
     keys = sum(s["keys"] for s in m["shards"])
-    stored = sum(s["bytes"] for s in m["shards"]) + (out / TRAINED).stat().st_size
+    stored = datastore_bytes(out, m)
     c = m["calibration"]
     v = c["validation"]
     unit = v["metric"]
     return "\n".join(
         [
             f"datastore  {out}: {keys:,} keys of {m['dim']} ({m['key']}, {m['precision']})",
-            f"faiss      {m['factory']}, {len(m['shards'])} shards, {stored / max(keys, 1):.1f} "
-            f"bytes/token",
+            f"faiss      {m['factory']}, {len(m['shards'])} shards{' merged' if m.get('merged') else ''}, "
+            f"{stored / max(keys, 1):.1f} bytes/key, {stored / m['index']['num_tokens']:.1f} "
+            "bytes/token of the corpus",
             f"built      {result.built_shards} shards in {result.wall_s:.1f} s"
             if result.built_shards
             else "built      every shard earlier",

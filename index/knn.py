@@ -11,7 +11,9 @@ A datastore folder (format ``teralm-knn`` version 1):
 - ``trained.faiss``: the empty index trained on a sample of keys (IVF centroids, PQ codebooks);
   every shard's index starts from it.
 - ``shard-XXXXX.faiss``: the keys of the training documents that start in positions
-  ``[k * shard_tokens, (k + 1) * shard_tokens)``. A key's faiss id is its corpus position ``p``:
+  ``[k * shard_tokens, (k + 1) * shard_tokens)``. For IVF indexes these are work files: once every
+  shard is built, their inverted lists are merged into ``merged.faiss`` (the trained index) and
+  ``merged.ivfdata`` (all lists, read memory-mapped), and the shard files are removed. A key's faiss id is its corpus position ``p``:
   the state after reading token ``p``, whose value is token ``p + 1`` of the token index. The
   datastore stores no values of its own, and every neighbour names its document.
 """
@@ -31,6 +33,7 @@ from teralm.index.reader import Index
 FORMAT, VERSION = "teralm-knn", 1
 MANIFEST = "knn.json"
 TRAINED = "trained.faiss"
+MERGED, MERGED_DATA = "merged.faiss", "merged.ivfdata"
 
 
 def import_faiss():
@@ -100,13 +103,17 @@ class KnnDatastore:
         self.dim: int = manifest["dim"]
         self.k = k
         self.calibration: dict | None = manifest.get("calibration")
-        flags = faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY
         self.shards = []
-        for shard in manifest["shards"]:
-            if shard["keys"]:
-                index = faiss.read_index(str(self.directory / shard["file"]), flags)
-                set_nprobe(index, nprobe)
-                self.shards.append(index)
+        if manifest.get("merged"):
+            flags = faiss.IO_FLAG_ONDISK_SAME_DIR | faiss.IO_FLAG_READ_ONLY
+            files = [manifest["merged"]["file"]]
+        else:
+            flags = faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY
+            files = [shard["file"] for shard in manifest["shards"] if shard["keys"]]
+        for name in files:
+            index = faiss.read_index(str(self.directory / name), flags)
+            set_nprobe(index, nprobe)
+            self.shards.append(index)
 
     @classmethod
     def open(cls, directory: Path, ix: Index, weights_sha256: str) -> KnnDatastore:
@@ -125,10 +132,8 @@ class KnnDatastore:
                 f"{directory} holds the hidden states of other model weights than these "
                 f"(built from {m.get('run')}); rebuild it for this run"
             )
-        for shard in m["shards"]:
-            path = Path(directory) / shard["file"]
-            if shard["keys"] and (not path.exists() or path.stat().st_size != shard["bytes"]):
-                raise ValueError(f"{path} is missing or truncated; rebuild the datastore")
+        if datastore_bytes(Path(directory), m) is None:
+            raise ValueError(f"{directory}: a file is missing or truncated; rebuild the datastore")
         return cls(directory, m, ix, m["calibration"]["k"], m["calibration"]["nprobe"])
 
     @property
@@ -176,6 +181,20 @@ class KnnDatastore:
                 }
             )
         return hits
+
+
+def datastore_bytes(directory: Path, m: dict) -> int | None:
+    """The bytes of the files a search reads (None when one is missing or of the wrong size):
+    the merged index with its list file, or else every shard's index."""
+    parts = [m["merged"]] if m.get("merged") else [s for s in m["shards"] if s["keys"]]
+    total = 0
+    for part in parts:
+        files = [part["file"], *([part["data"]] if "data" in part else [])]
+        sizes = [(directory / f).stat().st_size if (directory / f).exists() else -1 for f in files]
+        if min(sizes, default=0) < 0 or sum(sizes) != part["bytes"]:
+            return None
+        total += sum(sizes)
+    return total
 
 
 def merge_nearest(d1, p1, d2, p2, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -154,6 +154,7 @@ def test_killed_build_resumes_to_the_same_datastore(trained, monkeypatch):
     assert result.built_shards == len(result.manifest["shards"]) - 2
     files = sorted(p.name for p in whole.iterdir())
     assert files == sorted(p.name for p in resumed.iterdir())
+    assert "merged.ivfdata" in files and not any(f.startswith("shard-") for f in files)
     for name in files:
         if name != "knn.json":
             assert (whole / name).read_bytes() == (resumed / name).read_bytes(), name
@@ -161,6 +162,11 @@ def test_killed_build_resumes_to_the_same_datastore(trained, monkeypatch):
     for m in done:
         m.pop("run")
     assert done[0] == done[1]
+    KnnDatastore.open(resumed, trained["ix"], weights_sha256(trained["run"]))
+    data = resumed / "merged.ivfdata"
+    data.write_bytes(data.read_bytes()[:-1])
+    with pytest.raises(ValueError, match="missing or truncated"):
+        KnnDatastore.open(resumed, trained["ix"], weights_sha256(trained["run"]))
 
 
 def test_mismatched_run_index_or_settings_are_refused(trained, flat, tmp_path):
