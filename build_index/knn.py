@@ -44,6 +44,7 @@ from teralm.index.knn import (
     VERSION,
     KnnDatastore,
     datastore_bytes,
+    faiss_quiet,
     import_faiss,
     index_identity,
     read_manifest,
@@ -305,7 +306,10 @@ def _merge_shards(faiss, out: Path, shards: list[dict]) -> dict:
     data = out / MERGED_DATA
     data.unlink(missing_ok=True)  # a merge that was killed: start it afresh
     index = faiss.read_index(str(out / TRAINED))
-    merge_ondisk(index, [str(out / s["file"]) for s in shards if s["keys"]], str(data.resolve()))
+    with faiss_quiet():
+        merge_ondisk(
+            index, [str(out / s["file"]) for s in shards if s["keys"]], str(data.resolve())
+        )
     fmt.fsync_path(data)
     # the index names its list file: by its name alone (readers look beside the index), so
     # that the folder can move and its files do not depend on where it was built

@@ -21,7 +21,11 @@ A datastore folder (format ``teralm-knn`` version 1):
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
+import os
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +50,22 @@ def import_faiss():
             "faiss-gpu-cu12 on a CUDA machine"
         ) from None
     return faiss
+
+
+@contextlib.contextmanager
+def faiss_quiet() -> Iterator[None]:
+    """Keep the notes faiss prints on the process's own stdout (where it found or resized an
+    on-disk list file) out of ours, which may be JSON (``teralm eval --json``)."""
+    sys.stdout.flush()
+    saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        ctypes.CDLL(None).fflush(None)  # what C wrote is still in its buffer
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
 
 
 def shard_path(directory: Path, shard: int) -> Path:
@@ -111,7 +131,8 @@ class KnnDatastore:
             flags = faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY
             files = [shard["file"] for shard in manifest["shards"] if shard["keys"]]
         for name in files:
-            index = faiss.read_index(str(self.directory / name), flags)
+            with faiss_quiet():
+                index = faiss.read_index(str(self.directory / name), flags)
             set_nprobe(index, nprobe)
             self.shards.append(index)
 

@@ -213,11 +213,14 @@ def test_build_knn_and_eval_on_the_command_line(trained, tmp_path):
             [sys.executable, "-m", "teralm.cli", *map(str, args)], capture_output=True, text=True
         )
 
-    made = cli("build-knn", run, "--index", index, "--out", out, "--shard-tokens", 2000, "--quiet")
+    build = ("build-knn", run, "--index", index, "--out", out, "--shard-tokens", 2000)
+    made = cli(*build, "--factory", "IVF4,Flat", "--quiet")
     assert made.returncode == 0, made.stderr
-    assert "bytes/token" in made.stdout and "with kNN" in made.stdout
-    again = cli("build-knn", run, "--index", index, "--out", out, "--shard-tokens", 2000, "--quiet")
+    assert "shards merged" in made.stdout and "with kNN" in made.stdout
+    again = cli(*build, "--factory", "IVF4,Flat", "--quiet")
     assert again.returncode == 0 and "every shard earlier" in again.stdout
+    other = cli(*build, "--quiet")  # the default factory here is Flat
+    assert other.returncode == 1 and "other settings (factory)" in other.stderr
     scored = cli("eval", run, "--index", index, "--knn", out, "--json", "--quiet")
     assert scored.returncode == 0, scored.stderr
     result = json.loads(scored.stdout)
