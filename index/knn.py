@@ -115,7 +115,8 @@ def set_nprobe(index, nprobe: int) -> None:
 
 
 class KnnDatastore:
-    """A complete datastore opened for search beside its token index (shards memory-mapped)."""
+    """A datastore opened for search beside its token index: its faiss indexes (the merged one,
+    or one per shard), memory-mapped."""
 
     def __init__(self, directory: Path, manifest: dict, ix: Index, k: int, nprobe: int):
         faiss = import_faiss()
@@ -123,7 +124,7 @@ class KnnDatastore:
         self.dim: int = manifest["dim"]
         self.k = k
         self.calibration: dict | None = manifest.get("calibration")
-        self.shards = []
+        self.indexes = []
         if manifest.get("merged"):
             flags = faiss.IO_FLAG_ONDISK_SAME_DIR | faiss.IO_FLAG_READ_ONLY
             files = [manifest["merged"]["file"]]
@@ -134,13 +135,16 @@ class KnnDatastore:
             with faiss_quiet():
                 index = faiss.read_index(str(self.directory / name), flags)
             set_nprobe(index, nprobe)
-            self.shards.append(index)
+            self.indexes.append(index)
 
     @classmethod
     def open(cls, directory: Path, ix: Index, weights_sha256: str) -> KnnDatastore:
         """Open a complete datastore; ValueError unless it was built from this token index
         and these model weights."""
         m = read_manifest(directory)
+        needed = ("weights_sha256", "index", "dim", "shards", "calibration")
+        if m.get("complete") and not all(k in m for k in needed):
+            raise ValueError(f"{directory}/{MANIFEST} is damaged; rebuild the datastore")
         if not m.get("complete"):
             raise ValueError(
                 f"{directory}: the kNN build did not finish; run the same build-knn command "
@@ -171,7 +175,7 @@ class KnnDatastore:
         n = len(keys)
         distances = np.full((n, k), np.inf, dtype=np.float32)
         positions = np.full((n, k), -1, dtype=np.int64)
-        for index in self.shards:
+        for index in self.indexes:
             d, p = index.search(keys, k)
             d[p < 0] = np.inf
             distances, positions = merge_nearest(distances, positions, d, p, k)

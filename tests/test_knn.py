@@ -191,7 +191,7 @@ def test_held_out_text_is_not_stored_and_finds_its_training_copy(corpus):
     ix, faiss = plain["ix"], import_faiss()
     build.build_knn(knn_config(plain, plain["base"] / "plain-knn"))
     store = KnnDatastore.open(plain["base"] / "plain-knn", ix, weights_sha256(plain["run"]))
-    ids = np.concatenate([faiss.vector_to_array(s.id_map) for s in store.shards])
+    ids = np.concatenate([faiss.vector_to_array(s.id_map) for s in store.indexes])
     documents = np.searchsorted(np.asarray(ix.offsets), ids, side="right") - 1
     assert not held_out(documents, HOLDOUT).any()
     keys, positions = hidden_states(plain["model"], ix, DUPLICATE)
