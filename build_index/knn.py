@@ -205,6 +205,7 @@ def build_knn(config: KnnBuildConfig) -> KnnBuildResult:
     holdout = state["config"]["train"]["holdout_every"]
     seq_len, dim = model.cfg.max_seq_len, model.cfg.d_model
     shards = -(-ix.num_tokens // config.shard_tokens)
+    validation_windows(ix, holdout, seq_len, config.validation_tokens)  # before hours of work
     train_docs = [d for d in range(ix.num_documents) if not held_out(d, holdout)]
     num_keys = sum(int(ix.offsets[d + 1] - ix.offsets[d]) - 1 for d in train_docs)
     settings = {
@@ -323,16 +324,22 @@ def _merge_shards(faiss, out: Path, shards: list[dict]) -> dict:
     }
 
 
-def calibrate(config: KnnBuildConfig, m: dict, ix: Index, model, device) -> dict:
-    """The kNN mixture's settings, chosen on the validation half of the held-out documents,
-    with the validation scores they give."""
-    docs = held_out_documents(ix, m["holdout_every"], "validation")
-    windows = list(document_windows(ix, docs, m["seq_len"], config.validation_tokens))
+def validation_windows(ix: Index, holdout_every: int, seq_len: int, tokens: int) -> list:
+    """The windows the calibration scores; a ValueError when there are none."""
+    docs = held_out_documents(ix, holdout_every, "validation")
+    windows = list(document_windows(ix, docs, seq_len, tokens))
     if not windows:
         raise ValueError(
             "no validation text to calibrate the kNN mixture on: the index needs at least two "
-            "held-out documents"
+            "held-out documents (ids that are multiples of the run's holdout_every)"
         )
+    return windows
+
+
+def calibrate(config: KnnBuildConfig, m: dict, ix: Index, model, device) -> dict:
+    """The kNN mixture's settings, chosen on the validation half of the held-out documents,
+    with the validation scores they give."""
+    windows = validation_windows(ix, m["holdout_every"], m["seq_len"], config.validation_tokens)
     store = KnnDatastore(config.out, m, ix, config.k, config.nprobe)
     scores = score(ix, model, windows, device, config.progress, store)
     choice = calibrate_knn(scores)
