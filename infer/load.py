@@ -22,8 +22,9 @@ def load_model(
     ``generating``, whatever it was trained in). An fp8 export keeps its matrices in e4m3 (see
     teralm.infer.fp8)."""
     tensors, state = checkpoint.load_model_weights(path)
-    choice = choose_precision(precision, device, generating)
-    config = ModelConfig.from_dict({**state["config"]["model"], "precision": choice.precision})
+    saved = state["config"]["model"]
+    choice = choose_precision(precision, device, generating, width=saved["d_model"])
+    config = ModelConfig.from_dict({**saved, "precision": choice.precision})
     model = Transformer(config)
     if checkpoint.is_fp8_export(path):
         load_fp8(model, tensors)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import build_docs, random_documents
 
-from teralm.infer import choose_precision
+from teralm.infer import choose_precision, precision
 from teralm.model import ModelConfig, Transformer
 from teralm.train.config import PRESETS, RunConfig, TrainConfig
 from teralm.train.loop import train
@@ -17,22 +17,38 @@ from teralm.train.loop import train
 CPU = torch.device("cpu")
 
 
-def cpu_probe(monkeypatch, avx512_bf16: bool, amx: bool, capability: str = "AVX512") -> None:
-    """Make torch report these CPU features."""
+def cpu_probe(
+    monkeypatch, avx512_bf16: bool, amx: bool, capability: str = "AVX512", speedup: float = 1.5
+) -> None:
+    """Make torch report these CPU features, and bf16 time at ``speedup`` times fp32's speed
+    (the timing is refused on a CPU without native bf16: it must not run there)."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
 
+    def timed(width: int) -> float:
+        assert avx512_bf16 or amx, "bf16 timed on a CPU without native bf16"
+        return speedup
+
+    monkeypatch.setattr(precision, "cpu_bf16_speedup", timed)
+
 
 @pytest.mark.parametrize(
-    "avx512_bf16, amx, chosen",
-    [(False, False, "fp32"), (True, False, "bf16"), (False, True, "bf16")],
+    "avx512_bf16, amx, speedup, chosen",
+    [
+        (False, False, 1.5, "fp32"),
+        (True, False, 1.5, "bf16"),
+        (False, True, 1.5, "bf16"),
+        (True, False, 0.7, "fp32"),  # native bf16 that runs slower (a VM's Xeon without AMX)
+        (True, True, 1.05, "fp32"),  # within the margin: fp32
+    ],
 )
-def test_auto_follows_native_bf16(monkeypatch, avx512_bf16, amx, chosen):
-    cpu_probe(monkeypatch, avx512_bf16, amx)
+def test_auto_follows_native_and_measured_bf16(monkeypatch, avx512_bf16, amx, speedup, chosen):
+    cpu_probe(monkeypatch, avx512_bf16, amx, speedup=speedup)
     choice = choose_precision("auto", CPU)
     assert choice.precision == chosen and choice.warning is None
     assert "AVX512" in choice.reason
+    assert (f"{speedup:.2f}x" in choice.reason) == (avx512_bf16 or amx)
 
 
 @pytest.mark.parametrize("avx512_bf16", [False, True])
@@ -54,6 +70,9 @@ def test_explicit_slow_choices_run_with_a_warning(monkeypatch):
     assert choose_precision("fp32", CPU).warning is None
     cpu_probe(monkeypatch, True, False)
     assert choose_precision("bf16", CPU).warning is None
+    cpu_probe(monkeypatch, True, False, speedup=0.7)
+    warning = choose_precision("bf16", CPU).warning
+    assert "bf16 measured at 0.70x fp32's speed (width 256): auto would take fp32" in warning
 
 
 def test_presets_default_to_auto_and_models_refuse_it():
@@ -74,3 +93,20 @@ def test_run_records_the_precision_it_chose_and_why(monkeypatch, tmp_path):
     assert record["config"]["model"]["precision"] == "fp32"
     assert record["precision"]["precision"] == "fp32"
     assert "AVX2 without native bf16" in record["precision"]["reason"]
+
+
+def test_a_resumed_auto_run_keeps_its_precision(monkeypatch, tmp_path):
+    """bf16 measured faster when the run began, slower when it is resumed: it stays bf16."""
+    cpu_probe(monkeypatch, True, False, speedup=1.5)
+    ix = build_docs(tmp_path / "corpus", random_documents(np.random.default_rng(3), 20))
+    model = ModelConfig(n_layer=1, n_head=2, d_model=16, max_seq_len=16, precision="auto")
+    config = RunConfig(
+        model, TrainConfig(batch_size=2, seq_len=16, max_steps=2, warmup_steps=1, holdout_every=5)
+    )
+    train(ix, config, tmp_path / "run", progress=False)
+    cpu_probe(monkeypatch, True, False, speedup=0.5)
+    config.model.precision, config.train.max_steps = "auto", 3
+    train(ix, config, tmp_path / "run", resume=True, progress=False)
+    record = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert record["precision"]["precision"] == "bf16"
+    assert record["precision"]["reason"] == "the resumed run's own"

@@ -17,8 +17,9 @@ from tqdm import tqdm
 
 from teralm.index import Index
 from teralm.index import format as fmt
-from teralm.infer.precision import autocast, choose_precision, default_device
-from teralm.model import Transformer, checkpoint
+from teralm.infer.precision import PrecisionChoice, autocast, choose_precision, default_device
+from teralm.model import ModelConfig, Transformer, checkpoint
+from teralm.model.config import AUTO, PRECISIONS
 from teralm.model.transformer import index_lm_loss
 from teralm.train.config import RunConfig, TrainConfig
 from teralm.train.data import FragmentSampler, prefetched
@@ -262,6 +263,24 @@ def _agree(value: float, world: World, op: str = "sum") -> float:
     return float(t[0])
 
 
+def _run_precision(
+    model: ModelConfig, device: torch.device, resumed: Path | None, world: World
+) -> PrecisionChoice:
+    """The precision to train in: as asked; for ``auto``, the ``resumed`` run's own, or the
+    main process's choice for this machine (which may time bf16 against fp32) on every one."""
+    if model.precision != AUTO:
+        return choose_precision(model.precision, device, width=model.d_model)
+    if resumed is not None:
+        return PrecisionChoice(saved_config(resumed).model.precision, "the resumed run's own")
+    choice = choose_precision(AUTO, device, width=model.d_model)
+    if world.size > 1:
+        pick = torch.tensor([PRECISIONS.index(choice.precision)], device=world.device)
+        dist.broadcast(pick, src=0)
+        if PRECISIONS[int(pick)] != choice.precision:
+            choice = PrecisionChoice(PRECISIONS[int(pick)], "the main process's choice")
+    return choice
+
+
 def _train(
     ix: Index,
     config: RunConfig,
@@ -274,13 +293,13 @@ def _train(
 ) -> TrainResult:
     keep_freed_memory()
     cfg = config.train
-    precision = choose_precision(config.model.precision, device)
-    config.model.precision = precision.precision
     config.model.vocab_size, config.model.max_match = ix.vocab_size, ix.max_match
     config.model.max_seq_len = max(config.model.max_seq_len, cfg.seq_len)
     identity = ix.identity()
     _check_world(cfg, world, None)
     folder = _open_run_everywhere(run, resume, world, held)
+    precision = _run_precision(config.model, device, run if folder else None, world)
+    config.model.precision = precision.precision
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every process
     model = Transformer(config.model).to(device)
