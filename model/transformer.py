@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from teralm.kernels import activation as activation_kernels
+from teralm.kernels import norm as norm_kernels
 from teralm.kernels.fp8 import Fp8Matmul, Int8Matmul
 from teralm.model.config import PRECISIONS, ModelConfig
 from teralm.model.kv_cache import KVCache, LayerCache
@@ -62,17 +64,30 @@ def _normalised_backward(g_scaled, n, scale, weight) -> tuple[torch.Tensor, torc
 
 class _RMSNormFunction(torch.autograd.Function):
     """``rms_norm(x) * weight`` with a written-out backward that saves the normalised input and
-    its scale (PyTorch's CPU rms_norm is a chain of elementwise ops, each saved for autograd)."""
+    its scale (PyTorch's CPU rms_norm is a chain of elementwise ops, each saved for autograd);
+    fp32 on the CPU, one fused pass each way (teralm.kernels.norm)."""
 
     @staticmethod
     def forward(ctx, x, weight, eps: float):
+        ctx.fused = norm_kernels.fused(x)
+        if ctx.fused:
+            rows = x.reshape(1, 1, -1, x.shape[-1])
+            y, scale = norm_kernels.norm_rope(rows, weight, eps)
+            ctx.save_for_backward(rows, scale, weight)
+            return y.view(x.shape)
         n, scale = _normalised(x, eps)
         ctx.save_for_backward(n, scale, weight)
         return n * weight.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        return (*_normalised_backward(grad, *ctx.saved_tensors), None)
+        if not ctx.fused:
+            return (*_normalised_backward(grad, *ctx.saved_tensors), None)
+        rows = ctx.saved_tensors[0]
+        grad_x, grad_weight = norm_kernels.norm_rope_grads(
+            grad.reshape(rows.shape), *ctx.saved_tensors
+        )
+        return grad_x.view(grad.shape), grad_weight, None
 
 
 class RMSNorm(nn.Module):
@@ -131,6 +146,11 @@ class NormRope(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, cos, sin, eps: float):
+        ctx.fused = norm_kernels.fused(x, cos)
+        if ctx.fused:  # fp32 on the CPU: one pass each way (teralm.kernels.norm)
+            y, scale = norm_kernels.norm_rope(x, weight, eps, cos, sin)
+            ctx.save_for_backward(x, scale, weight, cos, sin)
+            return y
         half = x.shape[-1] // 2
         n, scale = _normalised(x, eps)
         w, cos, sin = weight.to(x.dtype), cos.to(x.dtype), sin.to(x.dtype)
@@ -144,6 +164,8 @@ class NormRope(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.fused:
+            return (*norm_kernels.norm_rope_grads(grad, *ctx.saved_tensors), None, None, None)
         n, scale, weight, cos, sin = ctx.saved_tensors
         half = n.shape[-1] // 2
         g1, g2 = grad[..., :half], grad[..., half:]
@@ -186,16 +208,24 @@ class Attention(nn.Module):
 
 class ReLUSquared(torch.autograd.Function):
     """``relu(x)²`` whose backward is two products (autograd's own, through ``square``, runs a
-    power and more passes over the MLP's widest activations)."""
+    power and more passes over the MLP's widest activations); fp32 on the CPU, one fused pass
+    each way that saves only the output (teralm.kernels.activation)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.fused = activation_kernels.fused(x)
+        if ctx.fused:
+            y = activation_kernels.relu_squared(x)
+            ctx.save_for_backward(y)
+            return y
         r = F.relu(x)
         ctx.save_for_backward(r)
         return r * r
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        if ctx.fused:
+            return activation_kernels.relu_squared_grad(grad, *ctx.saved_tensors)
         (r,) = ctx.saved_tensors
         return grad * (r + r)
 

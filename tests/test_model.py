@@ -6,6 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from teralm.kernels import activation as kernel_activation
+from teralm.kernels import norm as kernel_norm
 from teralm.model import ModelConfig, Transformer
 from teralm.model.transformer import (
     IndexInput,
@@ -121,6 +123,21 @@ def test_relu_squared_gradient_by_finite_differences():
     (want,) = torch.autograd.grad(torch.relu(x).square(), x, grad)
     (got,) = torch.autograd.grad(ReLUSquared.apply(x), x, grad)
     torch.testing.assert_close(got, want)
+
+
+def test_fp32_cpu_relu_squared_kernel_equals_fp64():
+    """fp32 on the CPU runs teralm.kernels.activation (several chunks, an incoming gradient
+    that is not contiguous): values and gradients within fp32 rounding of fp64 autograd."""
+    gen = torch.Generator().manual_seed(4)
+    x64 = (3 * torch.randn(3, 70_001, dtype=torch.float64, generator=gen)).requires_grad_()
+    x32 = x64.detach().float().requires_grad_()
+    assert kernel_activation.fused(x32)
+    grad = torch.randn(70_001, 3, dtype=torch.float64, generator=gen).T
+    got, want = ReLUSquared.apply(x32), torch.relu(x64).square()
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+    (got_grad,) = torch.autograd.grad(got, x32, grad.float())
+    (want_grad,) = torch.autograd.grad(want, x64, grad)
+    torch.testing.assert_close(got_grad.double(), want_grad, rtol=1e-5, atol=1e-5)
 
 
 def test_index_input_off_ignores_features():
@@ -240,3 +257,34 @@ def test_rms_norm_equals_pytorchs():
     ref = torch.autograd.grad(want, (x, norm.weight), grad)
     assert all(torch.allclose(g, r, atol=1e-10) for g, r in zip(got, ref))
     assert torch.autograd.gradcheck(norm, (x,))
+
+
+@pytest.mark.parametrize("rotate", [True, False], ids=["qk-norm-rope", "rms-norm"])
+def test_fp32_cpu_kernels_equal_the_fp64_chain(rotate):
+    """fp32 on the CPU runs teralm.kernels.norm: values and gradients within fp32 rounding of
+    the fp64 reference, for a strided input (q of a fused qkv projection, as attention makes
+    it) and a strided incoming gradient."""
+    torch.manual_seed(2)
+    B, H, T, D = 3, 4, 7, 16
+    qkv = torch.randn(B, T, 3 * H * D, dtype=torch.float64) * 3
+    x64 = qkv.view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)[0].detach().requires_grad_()
+    w64 = (1 + 0.3 * torch.randn(D, dtype=torch.float64)).requires_grad_()
+    cos, sin = rope_tables(D, T, 10_000.0)
+    x32 = x64.detach().float().permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    x32.requires_grad_()
+    w32 = w64.detach().float().requires_grad_()
+    assert kernel_norm.fused(x32, cos) and not x32.is_contiguous()
+    if rotate:
+        got = NormRope.apply(x32, w32, cos, sin, 1e-6)
+        want = norm_then_rope(x64, w64, cos.double(), sin.double(), 1e-6)
+    else:
+        norm = RMSNorm(D)
+        norm.weight.data.copy_(w32)
+        w32 = norm.weight
+        got, want = norm(x32), F.rms_norm(x64, (D,), w64, 1e-6)
+    grad = torch.randn(B, H, D, T, dtype=torch.float64).transpose(-1, -2)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    got_grads = torch.autograd.grad(got, (x32, w32), grad.float())
+    want_grads = torch.autograd.grad(want, (x64, w64), grad)
+    for g, r in zip(got_grads, want_grads):
+        torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-4)
