@@ -32,7 +32,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from common import CACHE, free_port, pydocs_index, run_measured, save, table, teralm_cli
+from common import CACHE, corpus_index, free_port, run_measured, save, table, teralm_cli
 
 from teralm.train.report import read_metrics
 
@@ -217,7 +217,7 @@ def main() -> None:
     )
     parser.add_argument("--no-link", action="store_true", help="skip the shaped-link runs")
     args = parser.parse_args()
-    _, index = pydocs_index()
+    _, index = corpus_index("pydocs")
     WORK.mkdir(parents=True, exist_ok=True)
 
     print(f"part 1: tiny preset, {args.steps} steps, global batch 16 x 256 tokens", flush=True)

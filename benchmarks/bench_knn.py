@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 import torch
-from common import CACHE, pydocs_index, run_measured, save, table, teralm_cli
+from common import CACHE, corpus_index, run_measured, save, table, teralm_cli
 from common import TERALM as CLI
 
 from teralm.build_index.knn import KeyWriter, shard_documents
@@ -191,7 +191,7 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=2000, help="positions for the recall")
     parser.add_argument("--paraphrase-tokens", type=int, default=30_000)
     args = parser.parse_args()
-    _, index = pydocs_index()
+    _, index = corpus_index("pydocs")
     WORK.mkdir(parents=True, exist_ok=True)
     teralm_cli("train", "--index", index, "--out", RUN, "--preset", "tiny", "--quiet", "--resume")
     build_log = WORK / "build.json"

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 import torch
-from common import CACHE, pydocs_index, run_measured, save, table, teralm_cli
+from common import CACHE, corpus_index, run_measured, save, table, teralm_cli
 
 from teralm.index import Index
 from teralm.model import Transformer
@@ -209,7 +209,7 @@ def main() -> None:
     )
     parser.add_argument("--peer-run", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    _, index = pydocs_index()
+    _, index = corpus_index("pydocs")
     if args.peer_run:
         return peer_run(index, args.peer_run, args.steps)
     global PEERS

@@ -1,12 +1,15 @@
-"""Quality benchmark: held-out bits per byte on pydocs, with and without the index input.
+"""Quality benchmark: held-out bits per byte with and without the index input, on two corpora.
 
     pip install -e .
-    python benchmarks/bench_quality.py [--steps N] [--max-tokens 100000] [--precision auto]
+    python benchmarks/bench_quality.py [--corpus pydocs manpages] [--steps N]
+        [--max-tokens 100000] [--precision auto]
 
-Builds the byte index of all of pydocs (documents with id % 50 == 0 are held out by the trainer),
-trains the ``tiny`` preset twice with equal steps and tokens (index input on, then off), and
-scores both on the held-out documents: the models, the ∞-gram alone and the interpolations.
-Prints a table and writes benchmarks/results/bench_quality.json.
+For each corpus (pydocs from the team's shared data; manpages, this machine's manual pages
+rendered by make_manpages.py), builds its byte index (documents with id % 50 == 0 are held out
+by the trainer), trains the ``tiny`` preset twice with equal steps and tokens (index input on,
+then off), and scores both on the held-out documents: the models, the ∞-gram alone and the
+interpolations, also by the stored match length of each context. Prints a table per corpus and
+writes benchmarks/results/bench_quality.json.
 """
 
 from __future__ import annotations
@@ -15,24 +18,20 @@ import argparse
 import json
 import shutil
 
-from common import CACHE, pydocs_index, save, table, teralm_cli
+from common import CORPORA, corpus_index, quality_work, save, table, teralm_cli
 
 from teralm.train.report import read_metrics
 
-WORK = CACHE / "quality"
+RUNS = {"with index": ("run-index", []), "without index": ("run-noindex", ["--no-index-input"])}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=None, help="default: the tiny preset's")
-    parser.add_argument("--max-tokens", type=int, default=100_000)
-    parser.add_argument("--precision", default="auto")
-    args = parser.parse_args()
-    _, index = pydocs_index()
-
+def train_and_score(corpus: str, args: argparse.Namespace) -> dict:
+    """Both runs of one corpus, trained and scored: ``eval --json`` with the run's config and
+    training time."""
+    _, index = corpus_index(corpus)
     results = {}
-    for name, extra in (("with index", []), ("without index", ["--no-index-input"])):
-        run = WORK / ("run-index" if not extra else "run-noindex")
+    for name, (folder, extra) in RUNS.items():
+        run = quality_work(corpus) / folder
         shutil.rmtree(run, ignore_errors=True)
         steps = ["--max-steps", args.steps] if args.steps else []
         cmd = ["train", "--index", index, "--out", run, "--preset", "tiny", "--quiet"]
@@ -43,9 +42,13 @@ def main() -> None:
         results[name] = {
             **json.loads(scored),
             "train": json.loads((run / "config.json").read_text()),
+            "train_wall_s": read_metrics(run)[-1]["elapsed_s"],
         }
-        results[name]["train_wall_s"] = read_metrics(run)[-1]["elapsed_s"]
+    return results
 
+
+def report(corpus: str, results: dict) -> dict:
+    """Print one corpus's tables; its rows and ratios."""
     with_index, without = results["with index"], results["without index"]
     rows = [
         {"system": "model without index", "bpb": without["model"]},
@@ -60,18 +63,56 @@ def main() -> None:
             "bpb": with_index["interpolated"],
         },
     ]
-    ratio = with_index["model"] / without["model"]
-    print(
-        f"held-out pydocs bytes: {with_index['tokens']:,} targets; tiny preset, "
-        f"{args.precision}, equal steps and tokens"
-    )
+    precision = with_index["train"]["precision"]["precision"]
+    print(f"\n{corpus}: {with_index['tokens']:,} held-out bytes; tiny preset, {precision}")
     print(table(rows, [("system", "system", "s"), ("bpb", "bpb", ".4f")]))
+    groups = [
+        {
+            "match": w["match"],
+            "share": 100 * w["share"],
+            "without": wo["model"],
+            "with": w["model"],
+            "with_alone": w["model_alone"],
+            "interpolated": wo["interpolated"],
+        }
+        for w, wo in zip(with_index["by_match"], without["by_match"], strict=True)
+    ]
+    print("by the stored match length of the context:")
     print(
-        f"with / without index: {ratio:.3f} (target <= 0.75); "
-        f"with index vs best interpolation of the plain model: "
-        f"{with_index['model']:.4f} vs {without['interpolated']:.4f}"
+        table(
+            groups,
+            [
+                ("match", "match", "s"),
+                ("share", "% tokens", ".1f"),
+                ("without", "without index", ".4f"),
+                ("with", "with index", ".4f"),
+                ("with_alone", "with, own head", ".4f"),
+                ("interpolated", "without + ∞-gram", ".4f"),
+            ],
+        )
     )
-    print(f"wrote {save('bench_quality', {'rows': rows, 'ratio': ratio, 'runs': results})}")
+    ratios = {
+        "with / without": with_index["model"] / without["model"],
+        "with / best interpolation of the plain model": with_index["model"]
+        / without["interpolated"],
+    }
+    print(
+        f"with / without index: {ratios['with / without']:.3f} (target <= 0.75); with index / "
+        f"best interpolation of the plain model: "
+        f"{ratios['with / best interpolation of the plain model']:.3f} (target <= 0.97)"
+    )
+    return {"rows": rows, "by_match": groups, "ratios": ratios, "runs": results}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--corpus", nargs="+", choices=sorted(CORPORA), default=sorted(CORPORA))
+    parser.add_argument("--steps", type=int, default=None, help="default: the tiny preset's")
+    parser.add_argument("--max-tokens", type=int, default=100_000)
+    parser.add_argument("--precision", default="auto")
+    args = parser.parse_args()
+    payload = {corpus: report(corpus, train_and_score(corpus, args)) for corpus in args.corpus}
+    print(f"wrote {save('bench_quality', payload)}")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from typing import Protocol
 
 import numpy as np
 import torch
-from common import CACHE, pydocs_index, save, serve_process, table, teralm_cli
+from common import CACHE, corpus_index, save, serve_process, table, teralm_cli
 
 from teralm.infer.precision import inference_threads
 
@@ -60,7 +60,7 @@ def trained_run(steps: int) -> tuple[Path, Path]:
     if (QUALITY / "run-index" / "latest.json").exists():
         return QUALITY / "run-index", QUALITY / "index"
     run = WORK / "run"
-    _, index = pydocs_index()
+    _, index = corpus_index("pydocs")
     if not (run / "latest.json").exists():
         cmd = ["train", "--index", index, "--out", run, "--preset", "tiny", "--quiet"]
         teralm_cli(*cmd, "--max-steps", steps)

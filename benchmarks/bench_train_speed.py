@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from common import CACHE, pydocs_index, save, table, teralm_cli
+from common import CACHE, corpus_index, save, table, teralm_cli
 from torch import nn
 
 from teralm.train.config import PRESETS, TrainConfig
@@ -153,7 +153,7 @@ def main() -> None:
     every = TrainConfig.log_every  # teralm's metrics come every this many steps
     if not 0 < args.warmup < args.steps or args.warmup % every or args.steps % every:
         sys.exit(f"--warmup and --steps: multiples of {every}, warmup below steps")
-    jsonl, index = pydocs_index()
+    jsonl, index = corpus_index("pydocs")
     data = np.fromfile(jsonl, dtype=np.uint8)
 
     runs: dict[str, list[dict]] = {"with index": [], "without index": [], "plain PyTorch": []}

@@ -21,6 +21,7 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 RESULTS = ROOT / "benchmarks" / "results"
 CACHE = ROOT / "benchmarks" / "cache"
 PYDOCS = SHARED_DATA / "pydocs.jsonl.gz"
+CORPORA = {"pydocs": PYDOCS, "manpages": CACHE / "manpages.jsonl.gz"}
 TERALM = [sys.executable, "-m", "teralm.cli"]  # the CLI in this Python
 
 
@@ -88,16 +89,26 @@ def serve_process(run: Path, index: Path, *flags) -> Iterator[tuple[int, subproc
         server.wait(timeout=60)
 
 
-def pydocs_index() -> tuple[Path, Path]:
-    """The pydocs JSONL file and its byte index, built once under benchmarks/cache/quality and
-    shared by the benchmarks."""
-    if not PYDOCS.exists():
+def quality_work(corpus: str) -> Path:
+    """Where a corpus's text, index and bench_quality's runs are kept."""
+    return CACHE / ("quality" if corpus == "pydocs" else f"quality-{corpus}")
+
+
+def corpus_index(corpus: str = "pydocs") -> tuple[Path, Path]:
+    """A corpus's JSONL file and its byte index, built once under ``quality_work(corpus)`` and
+    shared by the benchmarks: ``pydocs`` (the team's shared data) or ``manpages`` (this machine's
+    manual pages, rendered by make_manpages.py the first time)."""
+    source = CORPORA[corpus]
+    if not source.exists() and corpus == "pydocs":
         sys.exit(f"{PYDOCS} not found: the benchmark reads the team's shared data folder")
-    work = CACHE / "quality"
-    data = work / "pydocs.jsonl"
+    if not source.exists():
+        recipe = ROOT / "benchmarks" / "make_manpages.py"
+        subprocess.run([sys.executable, recipe, "--out", source], check=True)
+    work = quality_work(corpus)
+    data = work / f"{corpus}.jsonl"
     if not data.exists():
         work.mkdir(parents=True, exist_ok=True)
-        with gzip.open(PYDOCS, "rb") as f, open(data, "wb") as out:
+        with gzip.open(source, "rb") as f, open(data, "wb") as out:
             shutil.copyfileobj(f, out)
     index = work / "index"
     teralm_cli("build-index", data, "--out", index, "--quiet")
