@@ -276,7 +276,13 @@ def _open_knn(args: argparse.Namespace, ix):
 def _eval(args: argparse.Namespace) -> int:
     from teralm.index import Index
     from teralm.infer.precision import default_device
-    from teralm.train.evaluate import document_windows, held_out_documents, score, summarize
+    from teralm.train.evaluate import (
+        best_lambda,
+        document_windows,
+        held_out_documents,
+        score,
+        summarize,
+    )
 
     try:
         ix = Index.open(args.index)
@@ -286,17 +292,25 @@ def _eval(args: argparse.Namespace) -> int:
             raise ValueError("the run's vocabulary differs from the index's")
         holdout = state["config"]["train"]["holdout_every"]
         knn = _open_knn(args, ix)
-        docs = held_out_documents(ix, holdout, "test" if knn else "all")
-        windows = list(document_windows(ix, docs, model.cfg.max_seq_len, args.max_tokens))
-        scores = score(ix, model, windows, device, progress=not args.quiet, knn=knn)
+
+        def scored(part: str, with_knn=None):
+            docs = held_out_documents(ix, holdout, part)
+            windows = list(document_windows(ix, docs, model.cfg.max_seq_len, args.max_tokens))
+            return score(ix, model, windows, device, progress=not args.quiet, knn=with_knn)
+
+        split = bool(held_out_documents(ix, holdout, "validation"))
+        lam = best_lambda(scored("validation")) if split else None  # else the oracle's
+        scores = scored("test" if split else "all", knn)
     except ValueError as e:
         return _fail("eval", str(e))
     calibration = knn.calibration if knn else None
-    result = summarize(scores, ix.vocab_size, ix.manifest["tokenizer"] == "bytes", calibration)
+    byte_level = ix.manifest["tokenizer"] == "bytes"
+    result = summarize(scores, ix.vocab_size, byte_level, calibration, lam)
+    result["lambda_from"] = "validation" if split else "the scored text (no validation documents)"
     if args.json:
         print(json.dumps(result))
         return 0
-    unit, which = result["metric"], "the test half of the " if knn else ""
+    unit, which = result["metric"], "the test half of the " if split else ""
     print(
         f"held-out {unit} on {result['tokens']:,} tokens ({which}documents with id % {holdout} "
         "== 0)"
@@ -307,7 +321,14 @@ def _eval(args: argparse.Namespace) -> int:
         rows.append(("model alone (no ∞-gram mixture)", result["model_alone"]))
     rows += [
         ("∞-gram alone", result["infgram"]),
-        (f"model + ∞-gram, λ={result['lambda']:.2f} (best)", result["interpolated"]),
+        (
+            f"model + ∞-gram, λ={result['lambda']:.2f} ({result['lambda_from']})",
+            result["interpolated"],
+        ),
+        (
+            f"model + ∞-gram, λ={result['lambda_oracle']:.2f} (oracle)",
+            result["interpolated_oracle"],
+        ),
     ]
     if knn:
         rows.append((f"{served} + kNN", result["model_knn"]))
@@ -315,6 +336,12 @@ def _eval(args: argparse.Namespace) -> int:
             rows.append(("model alone + kNN", result["model_alone_knn"]))
     for label, value in rows:
         print(f"  {label:<40} {value:.4f}")
+    print(f"by the stored match length of the context: {served}, model alone, λ={result['lambda']}")
+    for group in result["by_match"]:
+        print(
+            f"  match {group['match']:>5} ({group['share']:6.1%} of tokens)  {group['model']:.4f}  "
+            f"{group['model_alone']:.4f}  {group['interpolated']:.4f}"
+        )
     return 0
 
 

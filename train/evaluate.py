@@ -26,19 +26,22 @@ from teralm.train.data import causal_infgram, fragment, held_out
 
 INFGRAM_EPSILON = 0.01  # the ∞-gram alone mixes in this much of the uniform distribution
 LAMBDAS = np.round(np.arange(0.05, 1.0, 0.05), 2)
+MATCH_GROUPS = ((0, 3), (4, 15), (16, None))  # stored match lengths, for the breakdown
 
 
 @dataclass
 class Scores:
     """Per scored token: log-probability under the model as served (mixed with the ∞-gram
-    through its gate, when it has one) and under its own head alone, and the causal ∞-gram
-    counts. With a kNN datastore also the neighbours' squared distances [n, k] and which of
-    them were followed by the token (``knn_hits``)."""
+    through its gate, when it has one) and under its own head alone, the causal ∞-gram
+    counts, and the stored match length of its context. With a kNN datastore also the
+    neighbours' squared distances [n, k] and which of them were followed by the token
+    (``knn_hits``)."""
 
     model_logp: np.ndarray
     own_logp: np.ndarray
     total: np.ndarray
     hits: np.ndarray
+    match_len: np.ndarray
     knn_distances: np.ndarray | None = None
     knn_hits: np.ndarray | None = None
 
@@ -82,7 +85,8 @@ def score(
     if not windows:
         raise ValueError("no held-out text to score: the index has no held-out documents")
     cfg = model.cfg
-    columns: dict[str, list[np.ndarray]] = {name: [] for name in ("served", "own", "total", "hits")}
+    names = ("served", "own", "total", "hits", "match_len")
+    columns: dict[str, list[np.ndarray]] = {name: [] for name in names}
     neighbours: list[tuple[np.ndarray, np.ndarray]] = []
     for doc_start, a, length in tqdm(windows, desc="eval", unit="window", disable=not progress):
         window = fragment(ix, a, length)
@@ -103,22 +107,51 @@ def score(
         columns["own"].append(-own.cpu().numpy().astype(np.float64))
         columns["total"].append(total)
         columns["hits"].append(hit)
+        columns["match_len"].append(window[2])
         if knn is not None:
             found = knn.search(hidden[0].float().cpu().numpy())
             neighbours.append((found.distances, found.tokens == window[3][:, None]))
     joined = {name: np.concatenate(parts) for name, parts in columns.items()}
-    scores = Scores(joined["served"], joined["own"], joined["total"], joined["hits"])
+    scores = Scores(*(joined[name] for name in names))
     if knn is not None:
         scores.knn_distances = np.concatenate([d for d, _ in neighbours])
         scores.knn_hits = np.concatenate([h for _, h in neighbours])
     return scores
 
 
-def summarize(scores: Scores, vocab_size: int, byte_level: bool, knn: dict | None = None) -> dict:
+def interpolations(scores: Scores) -> dict[float, np.ndarray]:
+    """Each λ of ``LAMBDAS``: the probability of every scored token under ``λ · model + (1 - λ)
+    · ∞-gram`` (the model alone where the ∞-gram has seen nothing)."""
+    p_model = np.exp(scores.model_logp)
+    seen = scores.total > 0
+    p_inf = scores.hits / np.maximum(scores.total, 1)
+    return {
+        float(lam): np.where(seen, lam * p_model + (1 - lam) * p_inf, p_model) for lam in LAMBDAS
+    }
+
+
+def best_lambda(scores: Scores) -> float:
+    """The λ of ``LAMBDAS`` whose interpolation scores these tokens best."""
+    losses = {
+        lam: -np.log(np.maximum(p, 1e-300)).mean() for lam, p in interpolations(scores).items()
+    }
+    return min(losses, key=losses.get)
+
+
+def summarize(
+    scores: Scores,
+    vocab_size: int,
+    byte_level: bool,
+    knn: dict | None = None,
+    lam: float | None = None,
+) -> dict:
     """bpb (bytes) or perplexity (BPE) for the model as served and alone, the ∞-gram alone, and
-    the interpolation at the best fixed weight λ on a grid (chosen on the scored text: the
-    interpolation's best case). With ``knn`` (a datastore's calibration, chosen on other text)
-    and the scores' neighbours, also each model mixed with the kNN distribution."""
+    the interpolation at weight ``lam`` (chosen on other text, e.g. by ``best_lambda`` on a
+    validation split) and at the oracle λ of these scores (the interpolation's best case; also
+    the ``interpolated`` one when no ``lam`` is given); the same, but the ∞-gram, by the stored
+    match length of the context (``by_match``: groups of ``MATCH_GROUPS``, with their share of
+    the tokens). With ``knn`` (a datastore's calibration, chosen on other text) and the scores'
+    neighbours, also each model mixed with the kNN distribution."""
     p_model = np.exp(scores.model_logp)
     seen = scores.total > 0
     p_inf = np.where(seen, scores.hits / np.maximum(scores.total, 1), 0.0)
@@ -130,21 +163,36 @@ def summarize(scores: Scores, vocab_size: int, byte_level: bool, knn: dict | Non
         nats = -np.log(np.maximum(p, 1e-300)).mean()
         return float(nats / math.log(2)) if byte_level else float(math.exp(nats))
 
-    mixes = {
-        float(lam): metric(np.where(seen, lam * p_model + (1 - lam) * p_inf, p_model))
-        for lam in LAMBDAS
-    }
-    best = min(mixes, key=mixes.get)
+    mixes = interpolations(scores)
+    oracle = best_lambda(scores)
+    best = oracle if lam is None else float(lam)
+    if best not in mixes:
+        raise ValueError(f"λ {best} is not one of the grid's ({', '.join(map(str, LAMBDAS))})")
     result = {
         "metric": "bpb" if byte_level else "ppl",
         "model": metric(p_model),
         "model_alone": metric(np.exp(scores.own_logp)),
         "infgram": metric(p_alone),
-        "interpolated": mixes[best],
+        "interpolated": metric(mixes[best]),
         "lambda": best,
+        "interpolated_oracle": metric(mixes[oracle]),
+        "lambda_oracle": oracle,
         "tokens": int(len(p_model)),
         "infgram_coverage": float(seen.mean()),
     }
+    result["by_match"] = []
+    for low, high in MATCH_GROUPS:
+        at = (scores.match_len >= low) & (scores.match_len <= (high or np.inf))
+        if at.any():
+            result["by_match"].append(
+                {
+                    "match": f"{low}-{high}" if high is not None else f"{low}+",
+                    "share": float(at.mean()),
+                    "model": metric(p_model[at]),
+                    "model_alone": metric(np.exp(scores.own_logp[at])),
+                    "interpolated": metric(mixes[best][at]),
+                }
+            )
     if knn is not None and scores.knn_distances is not None:
         for base, logp in (("model", scores.model_logp), ("model_alone", scores.own_logp)):
             p = knn_mixture(logp, scores.knn_distances, scores.knn_hits, **knn[base])
