@@ -53,6 +53,7 @@ from teralm.index.knn import (
 from teralm.infer.load import check_tokenizer, load_model
 from teralm.infer.precision import autocast, default_device
 from teralm.model import Transformer, checkpoint
+from teralm.model.config import AUTO
 from teralm.train.data import fragment, held_out
 from teralm.train.evaluate import (
     calibrate_knn,
@@ -163,6 +164,14 @@ def _write_manifest(out: Path, manifest: dict) -> None:
     fmt.write_atomic(out / MANIFEST, json.dumps(manifest, indent=1).encode())
 
 
+def _resumed_precision(out: Path) -> str | None:
+    """The precision of the datastore in ``out`` being resumed, or None when there is none."""
+    try:
+        return read_manifest(out).get("precision")
+    except (OSError, ValueError):
+        return None
+
+
 def _start(config: KnnBuildConfig, settings: dict) -> dict:
     """The manifest to continue: a new one, or the folder's own when it was built with the
     same settings; a ValueError when it holds another datastore (unless ``force``)."""
@@ -197,7 +206,10 @@ def build_knn(config: KnnBuildConfig) -> KnnBuildResult:
     began = time.perf_counter()
     ix = Index.open(config.index)
     device = default_device()
-    model, state, choice = load_model(config.run, device, config.precision)
+    precision = config.precision
+    if precision == AUTO and not config.force:  # a resumed build keeps what auto chose then
+        precision = _resumed_precision(config.out) or precision
+    model, state, choice = load_model(config.run, device, precision)
     check_tokenizer(state, ix)
     trained_on = {k: v for k, v in (state.get("index") or {}).items() if k != "directory"}
     if trained_on != index_identity(ix):

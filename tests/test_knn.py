@@ -20,6 +20,7 @@ pytest.importorskip("faiss")
 from teralm.build_index import knn as build  # noqa: E402
 from teralm.index.knn import KnnDatastore, import_faiss  # noqa: E402
 from teralm.index.query import OnlineMatcher  # noqa: E402
+from teralm.infer import load  # noqa: E402
 from teralm.infer.engine import Engine, Sequence  # noqa: E402
 from teralm.infer.load import load_model  # noqa: E402
 from teralm.infer.mixture import knn_mixed_logp, knn_target_probs, knn_weights  # noqa: E402
@@ -131,6 +132,25 @@ def test_knn_mixture_equals_direct_computation():
         hits = tokens == targets[:, None]
         mixed = knn_mixture(logp.numpy()[np.arange(n), targets], distances, hits, temperature, lam)
         assert math.isclose(mixed[i], want[targets[i]], rel_tol=1e-9)
+
+
+def test_a_resumed_auto_build_keeps_its_precision(trained, monkeypatch):
+    """``auto`` may time bf16 differently on another try (teralm.infer.precision): a build
+    resumed with ``auto`` keeps the precision its datastore was made in."""
+    out = trained["base"] / "auto"
+    first = build.build_knn(knn_config(trained, out, precision="auto", factory="Flat"))
+    chosen = first.manifest["precision"]
+    other = "bf16" if chosen == "fp32" else "fp32"
+    real = load.choose_precision
+    monkeypatch.setattr(
+        load,
+        "choose_precision",
+        lambda requested, *rest, **kw: real(
+            other if requested == "auto" else requested, *rest, **kw
+        ),
+    )
+    again = build.build_knn(knn_config(trained, out, precision="auto", factory="Flat"))
+    assert again.manifest["precision"] == chosen and again.built_shards == 0
 
 
 def test_killed_build_resumes_to_the_same_datastore(trained, monkeypatch):
