@@ -130,12 +130,18 @@ def interpolations(scores: Scores) -> dict[float, np.ndarray]:
     }
 
 
+def _nats(p: np.ndarray) -> float:
+    """Mean negative log of the probabilities ``p`` (floored, so a zero costs 690 nats)."""
+    return float(-np.log(np.maximum(p, 1e-300)).mean())
+
+
+def _lowest_loss(mixes: dict[float, np.ndarray]) -> float:
+    return min(mixes, key=lambda lam: _nats(mixes[lam]))
+
+
 def best_lambda(scores: Scores) -> float:
     """The λ of ``LAMBDAS`` whose interpolation scores these tokens best."""
-    losses = {
-        lam: -np.log(np.maximum(p, 1e-300)).mean() for lam, p in interpolations(scores).items()
-    }
-    return min(losses, key=losses.get)
+    return _lowest_loss(interpolations(scores))
 
 
 def summarize(
@@ -160,11 +166,11 @@ def summarize(
     )
 
     def metric(p: np.ndarray) -> float:
-        nats = -np.log(np.maximum(p, 1e-300)).mean()
-        return float(nats / math.log(2)) if byte_level else float(math.exp(nats))
+        nats = _nats(p)
+        return nats / math.log(2) if byte_level else math.exp(nats)
 
     mixes = interpolations(scores)
-    oracle = best_lambda(scores)
+    oracle = _lowest_loss(mixes)
     best = oracle if lam is None else float(lam)
     if best not in mixes:
         raise ValueError(f"λ {best} is not one of the grid's ({', '.join(map(str, LAMBDAS))})")
@@ -227,7 +233,7 @@ def calibrate_knn(scores: Scores) -> dict:
             p = np.exp(logp)
             for lam in LAMBDAS:
                 mixed = np.where(found, lam * p_knn + (1 - lam) * p, p)
-                nats = float(-np.log(np.maximum(mixed, 1e-300)).mean())
+                nats = _nats(mixed)
                 if base not in best or nats < best[base][0]:
                     best[base] = (nats, {"temperature": float(temperature), "lam": float(lam)})
     return {base: choice for base, (_, choice) in best.items()}
