@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from teralm.kernels.threads import match_torch_threads
+
 CHUNK = 1 << 16  # elements a thread takes at a time
 
 
@@ -39,6 +41,7 @@ def fused(x: torch.Tensor) -> bool:
 def relu_squared(x: torch.Tensor) -> torch.Tensor:
     """``relu(x)²`` of a contiguous fp32 CPU tensor."""
     y = torch.empty_like(x)
+    match_torch_threads()
     _forward(x.detach().view(-1).numpy(), y.view(-1).numpy())
     return y
 
@@ -47,5 +50,6 @@ def relu_squared_grad(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The gradient at ``x`` of ``y = relu(x)²``, given ``grad``, the gradient at ``y``."""
     grad = grad.contiguous().float()
     grad_x = torch.empty_like(y)
+    match_torch_threads()
     _backward(grad.view(-1).numpy(), y.detach().view(-1).numpy(), grad_x.view(-1).numpy())
     return grad_x

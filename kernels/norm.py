@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from teralm.kernels.threads import match_torch_threads
+
 CHUNK_ROWS = 256  # rows a thread takes at a time
 
 
@@ -134,6 +136,7 @@ def norm_rope(
     y = torch.empty(x.shape, dtype=torch.float32)
     scale = torch.empty(x.shape[:-1], dtype=torch.float32)
     cos_, sin_ = _angles(cos, sin)
+    match_torch_threads()
     norm_rope_forward(
         *_flat(x), tuple(x.shape), weight.detach().float().numpy(), cos_, sin_, np.float32(eps),
         cos is not None, y.view(-1).numpy(), scale.view(-1).numpy(),
@@ -154,6 +157,7 @@ def norm_rope_grads(
     grad_x = torch.empty(x.shape, dtype=torch.float32)
     grad_weight = torch.empty(weight.shape, dtype=torch.float32)
     cos_, sin_ = _angles(cos, sin)
+    match_torch_threads()
     norm_rope_backward(
         *_flat(grad.float()), *_flat(x), tuple(x.shape), scale.reshape(-1).numpy(),
         weight.detach().float().numpy(), cos_, sin_, cos is not None, grad_x.view(-1).numpy(),

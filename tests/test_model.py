@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -288,3 +292,22 @@ def test_fp32_cpu_kernels_equal_the_fp64_chain(rotate):
     want_grads = torch.autograd.grad(want, (x64, w64), grad)
     for g, r in zip(got_grads, want_grads):
         torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores to tell 1 thread from all")
+def test_parallel_kernels_keep_torchs_thread_count():
+    """A process told to use 1 thread (torchrun's OMP_NUM_THREADS=1) keeps 1 for torch and for
+    the kernels' parallel loops once they have run: numba's OpenMP pool, when it starts, would
+    set the shared runtime to one thread per core."""
+    probe = (
+        "import numba, torch\n"
+        "from teralm.kernels.activation import relu_squared\n"
+        "from teralm.kernels.norm import norm_rope\n"
+        "relu_squared(torch.randn(1000))\n"
+        "norm_rope(torch.randn(1, 2, 8, 16), torch.ones(16), 1e-6)\n"
+        "print(torch.get_num_threads(), numba.get_num_threads())\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "1"]
