@@ -317,7 +317,14 @@ def losses(run: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("comm", ["onebit", "powersgd", "demo"])
+@pytest.mark.parametrize(
+    "comm",
+    [  # DeMo's momentum is the most state a rank keeps; the others are as slow, so on demand
+        pytest.param("onebit", marks=pytest.mark.slow),
+        pytest.param("powersgd", marks=pytest.mark.slow),
+        "demo",
+    ],
+)
 def test_two_processes_killed_with_sigkill_resume_the_same_curve(corpus, tmp_path, comm):
     """A 2-process run killed by SIGKILL mid-run and resumed with --resume logs the same losses
     and ends with the same weights as one never interrupted: every rank's own state (1-bit
