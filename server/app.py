@@ -442,7 +442,7 @@ class EngineCollector(Collector):
 # -- routes -----------------------------------------------------------------------------------
 
 
-def get_service(request: Request) -> CompletionService:
+async def get_service(request: Request) -> CompletionService:
     return request.app.state.service
 
 
