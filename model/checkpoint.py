@@ -114,15 +114,17 @@ def save(
 
 
 @contextlib.contextmanager
-def lock_run(run: Path) -> Iterator[None]:
-    """Hold ``RUN/.lock`` while this process writes the run (released when it ends, killed or
-    not); ValueError when another process holds it."""
+def lock_run(run: Path, worker: int | None = None) -> Iterator[None]:
+    """Hold ``RUN/.lock`` (a DiLoCo ``worker``'s: ``RUN/.lock-worker{N}``) while this process
+    writes the run (released when it ends, killed or not); ValueError when another process
+    holds it."""
     try:
         import fcntl
     except ImportError:  # not POSIX: no lock
         yield
         return
-    with open(run / LOCK, "a+") as f:
+    name = LOCK if worker is None else f"{LOCK}-worker{worker}"
+    with open(run / name, "a+") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -155,6 +157,21 @@ def latest(run: Path) -> Path | None:
     if folder.resolve().parent != run.resolve():
         raise ValueError(f"{pointer} names {folder}, which is outside the run; {advice}")
     return folder
+
+
+def load_latest(run: Path, attempts: int = 5) -> tuple[Path, tuple[dict, dict, dict]]:
+    """The checkpoint ``latest.json`` names and ``load``'s answer for it, read again when a
+    writer moved on to a newer one (and removed this one) while it was being read: a DiLoCo
+    worker that rejoins a run the others are still writing."""
+    for _ in range(attempts - 1):
+        folder = latest(run)
+        try:
+            return folder, load(folder)
+        except ValueError:
+            if latest(run) == folder:
+                raise
+    folder = latest(run)
+    return folder, load(folder)
 
 
 def load(folder: Path, optimizer: bool = True) -> tuple[dict, dict, dict]:

@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--sources", type=int, default=3, help="documents to show")
     cli_train.add_parsers(sub)
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given (a launcher repeats it)
     if args.command in cli_train.COMMANDS:
         return cli_train.COMMANDS[args.command](args)
     if args.command == "build-index":

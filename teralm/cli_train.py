@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from teralm.model.config import AUTO, PRECISIONS
-from teralm.train.config import COMMS, OFFLOADS, OPTIMIZERS, PRESETS
+from teralm.train.config import COMMS, MODES, OFFLOADS, OPTIMIZERS, OUTER_COMPRESSIONS, PRESETS
 
 
 def add_parsers(sub) -> None:
@@ -57,7 +57,54 @@ def add_parsers(sub) -> None:
     t.add_argument(
         "--powersgd-warmup", type=int, help="PowerSGD: steps of plain all-reduce first (10)"
     )
+    d = t.add_argument_group("DiLoCo (--mode diloco): workers that train apart and meet seldom")
+    d.add_argument("--mode", choices=MODES, help="sync (torchrun data-parallel) or diloco")
+    d.add_argument("--replicas", type=int, help="workers the global batch is split over (1)")
+    d.add_argument("--inner-steps", type=int, help="steps between rounds (50)")
+    d.add_argument("--outer-lr", type=float, help="outer SGD learning rate (0.7)")
+    d.add_argument("--outer-momentum", type=float, help="outer Nesterov momentum (0.9)")
+    d.add_argument(
+        "--outer-compress", choices=OUTER_COMPRESSIONS, help="pseudo-gradients sent as (none)"
+    )
+    d.add_argument(
+        "--outer-async",
+        type=float,
+        help="0: synchronous rounds; S <= 0.5: apply the previous round's mean times S while "
+        "the next round's exchange is in flight (TScale's async mode)",
+    )
+    d.add_argument("--min-replicas", type=int, help="live workers a round needs (1)")
+    d.add_argument(
+        "--lighthouse",
+        help="auto: start a lighthouse and --replicas workers here; or a lighthouse's URL, to "
+        "run one worker (with --replica-id)",
+    )
+    d.add_argument("--replica-id", type=_count, default=0, help="this worker's number (0)")
+    d.add_argument(
+        "--advertise",
+        help="address the other workers reach this one at (default: 127.0.0.1 with a local "
+        "lighthouse, else this machine's name)",
+    )
+    d.add_argument(
+        "--outer-timeout",
+        type=_positive(float),
+        default=120.0,
+        help="seconds to wait for a quorum or an exchange (120)",
+    )
     t.add_argument("--quiet", action="store_true")
+
+    h = sub.add_parser("lighthouse", help="coordinate DiLoCo workers on several machines")
+    h.add_argument(
+        "--bind",
+        default="127.0.0.1:29510",
+        help="HOST:PORT to listen on (0.0.0.0:29510 for workers on other machines)",
+    )
+    h.add_argument("--min-replicas", type=_positive(int), default=1, help="workers a round needs")
+    h.add_argument(
+        "--join-timeout",
+        type=_positive(float),
+        default=10.0,
+        help="seconds a new quorum waits for workers that are up but not yet asking",
+    )
 
     e = sub.add_parser("eval", help="held-out bpb / perplexity: model, ∞-gram, interpolation")
     e.add_argument("run", type=Path, help="run folder (or fp8 export)")
@@ -215,6 +262,7 @@ def _train(args: argparse.Namespace) -> int:
 def _train_run(args: argparse.Namespace) -> int:
     from teralm.index import Index
     from teralm.train.config import load_config
+    from teralm.train.diloco import WorkerPlace, advertised_host
     from teralm.train.loop import holds_run, saved_config, train
     from teralm.train.report import plot_loss, summary
 
@@ -232,7 +280,17 @@ def _train_run(args: argparse.Namespace) -> int:
         config.train = dataclasses.replace(
             config.train, **{k: v for k, v in overrides.items() if v is not None}
         )
-        result = train(ix, config, args.out, resume=args.resume, progress=not args.quiet)
+        worker = None
+        if config.train.mode == "diloco" and args.lighthouse == "auto":
+            return _launch_workers(args, config.train)
+        if args.lighthouse:
+            worker = WorkerPlace(
+                args.lighthouse, args.replica_id,
+                advertised_host(args.lighthouse, args.advertise), args.outer_timeout,
+            )  # fmt: skip
+        result = train(
+            ix, config, args.out, resume=args.resume, progress=not args.quiet, worker=worker
+        )
     except ValueError as e:
         return _fail("train", str(e))
     except KeyboardInterrupt:
@@ -240,7 +298,46 @@ def _train_run(args: argparse.Namespace) -> int:
     if result.main:
         plot_loss(args.out)
         print(summary(args.out, result))
+    if worker is not None and not args.quiet:
+        print(
+            f"worker {worker.replica}: {result.rounds} rounds, {result.bytes_sent:,} bytes sent; "
+            f"global weights sha256 {result.weights_sha256}",
+            file=sys.stderr,
+        )
     return 0
+
+
+def _launch_workers(args: argparse.Namespace, cfg) -> int:
+    """``--lighthouse auto``: a lighthouse and ``replicas`` workers on this machine, each on
+    its share of the cores (as torchrun's ``OMP_NUM_THREADS``) unless threads are set."""
+    from teralm.train.diloco import launch_local
+
+    argv, given = [], iter(args.argv)
+    for arg in given:  # the same command, less --lighthouse auto
+        if arg == "--lighthouse":
+            next(given, None)
+        elif not arg.startswith("--lighthouse="):
+            argv.append(arg)
+    threads = str(max(1, (os.cpu_count() or 1) // cfg.replicas))
+    env = {"OMP_NUM_THREADS": threads, **os.environ}
+    return launch_local(argv, cfg.replicas, cfg.min_replicas, args.quiet, env)
+
+
+def _lighthouse(args: argparse.Namespace) -> int:
+    """``teralm lighthouse``: coordinate DiLoCo workers until interrupted."""
+    import time
+
+    from teralm.train.diloco import lighthouse_server
+
+    try:
+        with lighthouse_server(args.bind, args.min_replicas, args.join_timeout) as url:
+            print(f"lighthouse at {url}: start workers with --lighthouse {url}", flush=True)
+            while True:
+                time.sleep(3600)
+    except (ValueError, RuntimeError) as e:
+        return _fail("lighthouse", str(e))
+    except KeyboardInterrupt:
+        return 0
 
 
 # train settings that have a flag of their own
@@ -248,7 +345,8 @@ TRAIN_FLAGS = (
     "max_steps", "max_minutes", "checkpoint_every", "seed", "batch_size", "lr", "optimizer",
     "galore_rank", "galore_gap", "galore_scale", "offload", "per_layer_update", "comm",
     "demo_chunk", "demo_topk", "demo_beta", "onebit_warmup", "onebit_block", "powersgd_rank",
-    "powersgd_warmup",
+    "powersgd_warmup", "mode", "replicas", "inner_steps", "outer_lr", "outer_momentum",
+    "outer_compress", "outer_async", "min_replicas",
 )  # fmt: skip
 
 
@@ -481,6 +579,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {
+    "lighthouse": _lighthouse,
     "serve": _serve,
     "train": _train,
     "eval": _eval,

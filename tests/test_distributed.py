@@ -98,7 +98,7 @@ def final_weights(run: Path) -> dict[str, torch.Tensor]:
 
 def union_reference(ix, config: RunConfig, world: int) -> dict[str, torch.Tensor]:
     """One process training on the union of the ``world`` ranks' batches, written out plainly."""
-    cfg, device = config.train, torch.device("cpu")
+    cfg = config.train
     config.model.vocab_size, config.model.max_match = ix.vocab_size, ix.max_match
     torch.manual_seed(cfg.seed)
     model = Transformer(config.model)
@@ -111,21 +111,25 @@ def union_reference(ix, config: RunConfig, world: int) -> dict[str, torch.Tensor
         for r in range(world)
     ]  # fmt: skip
     for step in range(cfg.max_steps):
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(cfg, step)
-        parts = [s.batch(step) for s in samplers]
-        tokens, next_token, match_len, targets, total, hits = (
-            torch.cat([getattr(b, name) for b in parts])
-            for name in ("tokens", "next_token", "match_len", "targets", "infgram_total", "infgram_hits")
-        )  # fmt: skip
-        with autocast(device, "fp32"):
-            logits, gate = model(tokens, next_token, match_len, with_gate=True)
-        mixed, own = index_lm_loss(logits, model.gate_logit(gate, total), targets, total, hits)
-        (mixed + cfg.own_loss_weight * own).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        reference_step(model, optimizer, cfg, step, [s.batch(step) for s in samplers])
     return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def reference_step(model, optimizer, cfg, step: int, parts: list) -> None:
+    """One AdamW step of ``model`` on the union of the batches ``parts``, written out plainly."""
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(cfg, step)
+    tokens, next_token, match_len, targets, total, hits = (
+        torch.cat([getattr(b, name) for b in parts])
+        for name in ("tokens", "next_token", "match_len", "targets", "infgram_total", "infgram_hits")
+    )  # fmt: skip
+    with autocast(torch.device("cpu"), "fp32"):
+        logits, gate = model(tokens, next_token, match_len, with_gate=True)
+    mixed, own = index_lm_loss(logits, model.gate_logit(gate, total), targets, total, hits)
+    (mixed + cfg.own_loss_weight * own).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 @pytest.mark.parametrize("processes, comm", [(2, "allreduce"), (3, "allreduce"), (2, "powersgd")])

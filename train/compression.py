@@ -222,6 +222,11 @@ class DCTMessage:
         q, scale = quantize_fp8(values, E4M3)
         return q.view(torch.uint8), scale.reshape(1)
 
+    @staticmethod
+    def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """The values ``quantize`` rounded (fp32)."""
+        return q.view(E4M3).float() / scale
+
     def encode(self, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """The message of each tensor's ``(index, e4m3 bytes, scale)``, in ``shapes``' order."""
         out = [torch.cat([s.float() for _, _, s in parts]).view(torch.uint8)]
@@ -251,6 +256,6 @@ class DCTMessage:
             records = records.view(chunks, k)
             at += record_bytes
             index = (high << low) | (records >> 8)
-            values = (records & 255).to(torch.uint8).view(E4M3).float() / scale
+            values = self.dequantize((records & 255).to(torch.uint8), scale)
             out.append(self.compression.scatter(index, values, shape))
         return out

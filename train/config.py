@@ -13,6 +13,8 @@ SCHEDULES = ("cosine", "wsd")
 COMMS = ("allreduce", "onebit", "powersgd", "demo")  # gradient exchanges: train.distributed
 OPTIMIZERS = ("adamw", "galore", "galore8bit")  # see teralm.train.optim
 OFFLOADS = ("none", "optimizer", "optimizer+master")  # see teralm.train.offload
+MODES = ("sync", "diloco")  # data-parallel under torchrun, or teralm.train.diloco
+OUTER_COMPRESSIONS = ("none", "onebit", "demo")  # DiLoCo's pseudo-gradients, teralm.train.diloco
 # training settings added later, with the value that means "as runs trained before them"
 ADDED_SINCE = {"own_loss_weight": 0.0, "index_dropout": 0.0}
 
@@ -34,6 +36,11 @@ class TrainConfig:
     momentum; ``onebit_warmup``: steps of plain all-reduce before 1-bit messages,
     ``onebit_block``: values sharing one scale in them; ``powersgd_*``: PowerSGD's matrix rank and the steps of plain all-reduce before it
     starts compressing.
+    ``mode = "diloco"`` trains ``replicas`` workers apart (teralm.train.diloco), each on
+    ``batch_size / replicas`` fragments a step, meeting every ``inner_steps`` steps: the
+    pseudo-gradients' mean (sent as ``outer_compress`` says) steps the global weights by SGD with
+    Nesterov momentum (``outer_lr``, ``outer_momentum``), or, with ``outer_async`` = s > 0,
+    by ``s`` times the previous round's mean; a round needs ``min_replicas`` live workers.
     """
 
     batch_size: int = 16
@@ -63,6 +70,14 @@ class TrainConfig:
     demo_beta: float = 0.999
     onebit_warmup: int = 50
     onebit_block: int = 256
+    mode: str = "sync"
+    inner_steps: int = 50
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_compress: str = "none"
+    outer_async: float = 0.0
+    replicas: int = 1
+    min_replicas: int = 1
     powersgd_rank: int = 4
     powersgd_warmup: int = 10
     optimizer: str = "adamw"
@@ -96,6 +111,32 @@ class TrainConfig:
             raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}")
         if self.offload != "none" and self.comm == "demo":
             raise ValueError("comm demo exchanges its momentum on the device: use offload none")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
+        if self.outer_compress not in OUTER_COMPRESSIONS:
+            raise ValueError(f"outer_compress must be one of {', '.join(OUTER_COMPRESSIONS)}")
+        if not 0 <= self.outer_async <= 0.5:
+            raise ValueError("outer_async must be 0 (synchronous rounds) or a scale up to 0.5")
+        if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
+            raise ValueError("outer_lr must be above 0 and outer_momentum in [0, 1)")
+        if min(self.inner_steps, self.replicas, self.min_replicas) < 1:
+            raise ValueError("inner_steps, replicas and min_replicas must be at least 1")
+        if self.mode == "diloco":
+            if self.comm != "allreduce":
+                raise ValueError(
+                    "mode diloco exchanges pseudo-gradients (outer_compress), not gradients: "
+                    "leave comm at allreduce"
+                )
+            if self.batch_size % self.replicas:
+                raise ValueError(
+                    f"batch_size {self.batch_size} (the global batch) is not a multiple of the "
+                    f"{self.replicas} replicas"
+                )
+            if self.checkpoint_every % self.inner_steps:
+                raise ValueError(
+                    f"checkpoint_every {self.checkpoint_every} must be a multiple of inner_steps "
+                    f"{self.inner_steps} (checkpoints are taken when the workers agree)"
+                )
         if self.grad_clip < 0:
             raise ValueError("grad_clip must be 0 (no clipping) or more")
         if self.per_layer_update and (

@@ -23,6 +23,7 @@ from teralm.model.config import AUTO, PRECISIONS
 from teralm.model.transformer import index_lm_loss
 from teralm.train.config import RunConfig, TrainConfig
 from teralm.train.data import FragmentSampler, prefetched
+from teralm.train.diloco import WorkerPlace, is_round_end, open_worker, worker_env_problem
 from teralm.train.distributed import (
     World,
     gather_local_states,
@@ -81,6 +82,8 @@ class TrainResult:
     parameters: int
     bytes_sent: int = 0  # by this process to the others, in all
     main: bool = True  # whether this process is the one that writes the run (rank 0)
+    rounds: int = 0  # DiLoCo: the rounds this worker took part in
+    weights_sha256: str | None = None  # DiLoCo: of the global weights the workers agreed on
 
 
 def check_resumable(saved: dict, config: RunConfig, identity: dict) -> None:
@@ -170,7 +173,7 @@ def open_run(run: Path, resume: bool) -> Path | None:
         raise ValueError(f"--out {run} is a file, not a folder; choose another --out")
     if (
         run.exists()
-        and any(p.name != checkpoint.LOCK for p in run.iterdir())
+        and any(not p.name.startswith(checkpoint.LOCK) for p in run.iterdir())
         and not holds_run(run)
     ):
         raise ValueError(
@@ -193,17 +196,28 @@ def train(
     resume: bool = False,
     progress: bool = True,
     device: torch.device | None = None,
+    worker: WorkerPlace | None = None,
 ) -> TrainResult:
     """Train (or continue) the run in folder ``run``: on the processes ``torchrun`` started
-    (data-parallel, see teralm.train.distributed), or in this one."""
+    (data-parallel, see teralm.train.distributed), in this one, or as DiLoCo ``worker``
+    (``mode = "diloco"``, see teralm.train.diloco)."""
     device = device or default_device()
+    if (config.train.mode == "diloco") != (worker is not None):
+        raise ValueError(
+            "mode diloco runs as a worker that a lighthouse coordinates (--lighthouse auto, or "
+            "its address); --lighthouse belongs to mode diloco"
+        )
+    if worker is not None and (problem := worker_env_problem()):
+        raise ValueError(problem)
     world = join_world(device.type, group_alone=config.train.comm == "powersgd")
     try:
         if device.type == "cuda" and world.size > 1:
             device = torch.device("cuda", world.local_rank)
             torch.cuda.set_device(device)
         with contextlib.ExitStack() as held:  # the run's lock, on the main process
-            result = _train(ix, config, run, resume, progress and world.main, device, world, held)
+            result = _train(
+                ix, config, run, resume, progress and world.main, device, world, held, worker
+            )
     except BaseException:
         leave_world(world, together=False)
         raise
@@ -212,15 +226,15 @@ def train(
 
 
 def _open_run_everywhere(
-    run: Path, resume: bool, world: World, held: contextlib.ExitStack
+    run: Path, resume: bool, world: World, held: contextlib.ExitStack, worker: int | None
 ) -> Path | None:
-    """``open_run`` and the run's lock (kept in ``held``) on the main process, then the
-    checkpoint to resume from, on every one."""
+    """``open_run`` and the run's lock (kept in ``held``; a DiLoCo ``worker`` holds one of its
+    own) on the main process, then the checkpoint to resume from, on every one."""
     error = None
     if world.main:
         try:
             open_run(run, resume)
-            held.enter_context(checkpoint.lock_run(run))
+            held.enter_context(checkpoint.lock_run(run, worker))
         except ValueError as e:
             error = e
     if world.size > 1:
@@ -281,6 +295,56 @@ def _run_precision(
     return choice
 
 
+def _write_round(path: Path, records: list[dict], start: int, outer) -> None:
+    """A DiLoCo round's metrics records, once the round is agreed, with the workers in it; the
+    last carries the bytes this worker sent in the round (the others 0). The lines past
+    ``start`` (from a run killed before it was resumed) go first."""
+    _truncate_metrics(path, start)
+    with open(path, "a") as metrics:
+        for i, record in enumerate(records, 1):
+            sent = outer.round_sent if i == len(records) else 0
+            record.update(sent_bytes=sent, received_bytes=sent, workers=outer.workers)
+            metrics.write(json.dumps(record) + "\n")
+
+
+def _train_step(
+    cfg: TrainConfig,
+    precision: str,
+    step: int,
+    device: torch.device,
+    batches,
+    forward,
+    exchange,
+    optimizer,
+    params: list[torch.Tensor],
+) -> list[torch.Tensor]:
+    """One optimizer step (``grad_accum`` micro-batches, the exchange, clipping): the
+    micro-batches' mixed losses, not yet read back (no device sync per step)."""
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(cfg, step)
+    micro_losses = []
+    for micro in range(cfg.grad_accum):
+        batch = next(batches).to(device)
+        with exchange.accumulating(last=micro == cfg.grad_accum - 1):
+            with autocast(device, precision):
+                logits, gate = forward(
+                    batch.tokens, batch.next_token, batch.match_len, with_gate=True,
+                    infgram_total=batch.infgram_total,
+                )  # fmt: skip
+            mixed, own = index_lm_loss(
+                logits, gate, batch.targets, batch.infgram_total, batch.infgram_hits
+            )
+            loss = mixed + cfg.own_loss_weight * own if gate is not None else mixed
+            (loss / cfg.grad_accum).backward()
+        micro_losses.append(mixed.detach())
+    exchange.exchange(params)
+    if cfg.grad_clip:
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return micro_losses
+
+
 def _train(
     ix: Index,
     config: RunConfig,
@@ -290,6 +354,7 @@ def _train(
     device: torch.device,
     world: World,
     held: contextlib.ExitStack,
+    worker: WorkerPlace | None,
 ) -> TrainResult:
     keep_freed_memory()
     cfg = config.train
@@ -297,7 +362,7 @@ def _train(
     config.model.max_seq_len = max(config.model.max_seq_len, cfg.seq_len)
     identity = ix.identity()
     _check_world(cfg, world, None)
-    folder = _open_run_everywhere(run, resume, world, held)
+    folder = _open_run_everywhere(run, resume, world, held, worker and worker.replica)
     precision = _run_precision(config.model, device, run if folder else None, world)
     config.model.precision = precision.precision
 
@@ -305,41 +370,54 @@ def _train(
     model = Transformer(config.model).to(device)
     optimizer = make_optimizer(model, cfg, world)
     exchange = make_exchange(cfg, world, optimizer)
+    outer = held.enter_context(open_worker(worker, model, optimizer, cfg)) if worker else None
     start, tokens_done, wall_before = 0, 0, 0.0
     if folder is not None:
-        weights, opt_tensors, state = checkpoint.load(folder)
+        folder, (weights, opt_tensors, state) = checkpoint.load_latest(run)
         check_resumable(state, config, identity)
         _check_world(cfg, world, state)
         model.load_state_dict(weights)
         torch.set_rng_state(opt_tensors.pop("torch_rng"))
         ranks = {k: opt_tensors.pop(k) for k in list(opt_tensors) if k.startswith("rank")}
+        rounds = {k: opt_tensors.pop(k) for k in list(opt_tensors) if k.startswith("outer/")}
         checkpoint.restore_optimizer(optimizer, opt_tensors, state["optimizer"])
         exchange.load_local_state(local_state_of(ranks, world.rank))
         start, tokens_done, wall_before = state["step"], state["tokens"], state["wall_s"]
-    if world.main:
+        if outer is not None:
+            outer.restore(rounds, state["outer"], start)
+
+    def writes() -> bool:
+        """Whether this process writes the run now: rank 0; in DiLoCo, the first worker of the
+        last round's quorum (before the first round, worker 0)."""
+        if outer is None:
+            return world.main
+        return outer.main if outer.rounds else worker.replica == 0
+
+    if outer is None and world.main:
         _truncate_metrics(run / METRICS, start)
     forward = exchange.wrap(model)
     forward = torch.compile(forward) if cfg.compile else forward
+    parts, part = (cfg.replicas, worker.replica) if worker else (world.size, world.rank)
     sampler = FragmentSampler(
         ix,
         cfg.seq_len,
-        cfg.batch_size // world.size,
+        cfg.batch_size // parts,
         cfg.seed,
         cfg.holdout_every,
         infgram=model.mixture_gate is not None,
         index_dropout=cfg.index_dropout if config.model.index_input else 0.0,
-        rank=world.rank,
-        world=world.size,
+        rank=part,
+        world=parts,
         workers=torch.get_num_threads(),
     )
-    if world.main:
+    if writes():  # the same file from every DiLoCo worker, written whole
         record = {"config": config.to_dict(), "index": identity, "precision": precision.to_dict()}
         fmt.write_atomic(run / RUN_CONFIG, json.dumps(record, indent=1).encode())
     if progress:
         print(f"precision {precision.precision}: {precision.reason}", file=sys.stderr)
         if world.size > 1:
             print(f"{world.size} processes, gradients by {cfg.comm}", file=sys.stderr)
-    if precision.warning and world.main:
+    if precision.warning and writes():
         print(f"warning: {precision.warning}", file=sys.stderr)
 
     saved_step = start if folder is not None else None
@@ -348,7 +426,7 @@ def _train(
         nonlocal saved_step
         saved_step = step
         local_states = gather_local_states(exchange, world)  # every rank takes part
-        if not world.main:
+        if not writes():
             return
         state = {
             "config": config.to_dict(),
@@ -357,82 +435,86 @@ def _train(
             "wall_s": wall_before + time.perf_counter() - t0,
             "world_size": world.size,
         }
+        if outer is not None:
+            state["outer"] = outer.checkpoint_state()
+            local_states.update(outer.checkpoint_tensors())
         checkpoint.save(run, step, model, optimizer, state, local_states)
+
+    def batches_from(step: int):
+        keys = [(s, micro) for s in range(step, cfg.max_steps) for micro in range(cfg.grad_accum)]
+        return prefetched(sampler, keys, background=device.type != "cpu")
 
     params = [p for p in model.parameters() if p.requires_grad]
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
+    traffic = exchange.traffic if outer is None else outer.traffic
     t0 = time.perf_counter()
     last_log, loss_value, stopped, step = t0, float("nan"), "max_steps", start
+    micro_losses: list[torch.Tensor] = []
+    round_start = start  # DiLoCo: where this worker's current round began
+    round_records: list[dict] = []  # DiLoCo: written once the round is agreed
     bar = tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step", disable=not progress)
-    keys = [
-        (step, micro) for step in range(start, cfg.max_steps) for micro in range(cfg.grad_accum)
-    ]
-    batches = prefetched(sampler, keys, background=device.type != "cpu")
     with contextlib.ExitStack() as stack:
-        stack.enter_context(contextlib.closing(batches))
-        metrics = stack.enter_context(open(run / METRICS, "a")) if world.main else None
-        for step in range(start, cfg.max_steps):
-            if cfg.max_minutes:
+        batches = stack.enter_context(contextlib.closing(batches_from(start)))
+        metrics = stack.enter_context(open(run / METRICS, "a")) if outer is None else None
+        while step < cfg.max_steps:
+            if cfg.max_minutes and (outer is None or step == round_start):  # between rounds
                 late = wall_before + time.perf_counter() - t0 > 60 * cfg.max_minutes
                 if _agree(float(late), world, "max"):
                     stopped = "max_minutes"
                     break
-            lr = learning_rate(cfg, step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            exchange.traffic.new_step()
-            micro_losses = []  # read back only when logged: no device sync per step
-            for micro in range(cfg.grad_accum):
-                batch = next(batches).to(device)
-                with exchange.accumulating(last=micro == cfg.grad_accum - 1):
-                    with autocast(device, config.model.precision):
-                        logits, gate = forward(
-                            batch.tokens, batch.next_token, batch.match_len, with_gate=True,
-                            infgram_total=batch.infgram_total,
-                        )  # fmt: skip
-                    mixed, own = index_lm_loss(
-                        logits, gate, batch.targets, batch.infgram_total, batch.infgram_hits
-                    )
-                    loss = mixed + cfg.own_loss_weight * own if gate is not None else mixed
-                    (loss / cfg.grad_accum).backward()
-                micro_losses.append(mixed.detach())
-            exchange.exchange(params)
-            if cfg.grad_clip:
-                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            if outer is None:
+                traffic.new_step()
+            micro_losses = _train_step(
+                cfg, config.model.precision, step, device, batches, forward, exchange,
+                optimizer, params,
+            )  # fmt: skip
+            step += 1
             tokens_done += tokens_per_step
-            now = time.perf_counter()
-            if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.max_steps:
+            if step % cfg.log_every == 0 or step == cfg.max_steps:
+                now = time.perf_counter()
                 loss_value = _agree(_step_loss(micro_losses), world) / world.size
                 rate = tokens_per_step * cfg.log_every / max(now - last_log, 1e-9)
                 last_log = now
                 record = {
-                    "step": step + 1,
+                    "step": step,
                     "loss": loss_value,
-                    "lr": lr,
+                    "lr": learning_rate(cfg, step - 1),
                     "tokens": tokens_done,
                     "tok_per_s": rate,
                     "elapsed_s": wall_before + now - t0,
-                    "sent_bytes": exchange.traffic.step_sent,
-                    "received_bytes": exchange.traffic.step_sent,  # a ring receives what it sends
+                    "sent_bytes": traffic.step_sent,
+                    "received_bytes": traffic.step_sent,  # a ring receives what it sends
                 }
-                if world.main:
+                if outer is not None:
+                    round_records.append(record)
+                elif world.main:
                     metrics.write(json.dumps(record) + "\n")
                     metrics.flush()
                 bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{rate:,.0f}")
             bar.update(1)
-            if (step + 1) % cfg.checkpoint_every == 0:
-                save(step + 1)
-        else:
-            step = cfg.max_steps
+            if outer is not None and is_round_end(cfg, step):
+                agreed = outer.round(step, float(step - round_start))
+                if agreed == step and writes():
+                    _write_round(run / METRICS, round_records, round_start, outer)
+                if agreed != step:  # redo the round, or go on from where a peer put this worker
+                    batches.close()
+                    batches = stack.enter_context(contextlib.closing(batches_from(agreed)))
+                    tokens_done += (agreed - step) * tokens_per_step
+                    bar.update(agreed - step)
+                step = round_start = agreed
+                round_records = []
+            agreed_here = outer is None or step == round_start  # DiLoCo: right after a round
+            if step % cfg.checkpoint_every == 0 and agreed_here and saved_step != step:
+                save(step)
     bar.close()
-    if step > start:
+    if outer is not None:
+        outer.finish()
+    if micro_losses:
         loss_value = _agree(_step_loss(micro_losses), world) / world.size
     if saved_step != step:
         save(step)
     wall = wall_before + time.perf_counter() - t0
     return TrainResult(
-        step, loss_value, tokens_done, wall, stopped, model.num_parameters(), exchange.traffic.sent,
-        world.main,
+        step, loss_value, tokens_done, wall, stopped, model.num_parameters(), traffic.sent,
+        writes(), outer.rounds if outer else 0, outer.digest() if outer else None,
     )  # fmt: skip

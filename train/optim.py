@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from teralm.kernels.fp8 import E4M3
 from teralm.train.compression import DCTMessage, DCTTopK
 from teralm.train.config import TrainConfig
 from teralm.train.distributed import Traffic, World, all_gather
@@ -113,7 +112,7 @@ class DeMo(torch.optim.Optimizer):
                 momentum.add_(p.grad.float())
             index, values = self.compression.encode(momentum)
             q, scale = DCTMessage.quantize(values)
-            sent = self.compression.scatter(index, q.view(E4M3).float() / scale, p.shape)
+            sent = self.compression.scatter(index, DCTMessage.dequantize(q, scale), p.shape)
             momentum -= self.compression.inverse(sent, p.shape)
             parts.append((index, q, scale))
             totals.append(sent)
