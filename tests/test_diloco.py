@@ -3,6 +3,7 @@ wire formats and the recovery transport, against plain references."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -49,6 +50,7 @@ log_every = 1
 holdout_every = 5
 """
 WORKER_ENV = {**ENV, "OMP_NUM_THREADS": "1"}
+CHECK_BYTES = 16  # a round's digest check between two workers: 2 fp64 values, all-reduced
 DIGEST = re.compile(r"worker (\d+): (\d+) rounds, [\d,]+ bytes sent; global weights sha256 (\w+)")
 
 
@@ -61,7 +63,15 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture
 def lighthouse():
+    """A Lighthouse that forms a quorum of whoever is up."""
     with lighthouse_server("127.0.0.1:0", min_replicas=1, join_timeout_s=5) as url:
+        yield url
+
+
+@pytest.fixture
+def pair():
+    """A Lighthouse that waits for two workers: rounds in step however the processes start."""
+    with lighthouse_server("127.0.0.1:0", min_replicas=2, join_timeout_s=5) as url:
         yield url
 
 
@@ -97,7 +107,7 @@ def records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def config_file(tmp_path: Path, **train) -> Path:
+def config_file(tmp_path: Path, name: str = "run.toml", **train) -> Path:
     text = CONFIG
     for key, value in train.items():
         line = f"{key} = {value}"
@@ -105,7 +115,7 @@ def config_file(tmp_path: Path, **train) -> Path:
             text = re.sub(rf"^{key} = .*$", line, text, flags=re.M)
         else:
             text += line + "\n"
-    path = tmp_path / "run.toml"
+    path = tmp_path / name
     path.write_text(text)
     return path
 
@@ -142,7 +152,7 @@ def averaging_reference(ix, config: RunConfig, workers: int) -> dict[str, torch.
 
 
 def test_one_step_rounds_average_the_workers_steps_and_track_synchronous_training(
-    corpus, tmp_path, lighthouse
+    corpus, tmp_path, pair
 ):
     """With one inner step a round and outer SGD at learning rate 1 without momentum, a round
     makes the global weights the mean of the workers' (the plain reference, to fp32 rounding),
@@ -151,7 +161,7 @@ def test_one_step_rounds_average_the_workers_steps_and_track_synchronous_trainin
     config = config_file(tmp_path)
     run = tmp_path / "run"
     flags = ["--replicas", 2, "--inner-steps", 1, "--outer-lr", 1, "--outer-momentum", 0]
-    errors = finished([worker(corpus, config, run, lighthouse, k, *flags) for k in (0, 1)])
+    errors = finished([worker(corpus, config, run, pair, k, *flags) for k in (0, 1)])
     assert len(digests(errors)) == 1
     import tomllib
 
@@ -160,7 +170,7 @@ def test_one_step_rounds_average_the_workers_steps_and_track_synchronous_trainin
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=2e-6)
     numel = sum(v.numel() for v in want.values())
-    assert [r["sent_bytes"] for r in records(run)] == [4 * (numel + 1)] * 4  # 2 workers' ring
+    assert [r["sent_bytes"] for r in records(run)] == [4 * (numel + 1) + CHECK_BYTES] * 4
     sync = torchrun(2, "train", "--index", corpus.directory, "--out", tmp_path / "sync",
                     "--config", config, "--quiet")  # fmt: skip
     assert sync.returncode == 0, sync.stderr
@@ -208,7 +218,7 @@ def test_a_killed_worker_leaves_the_others_training_and_rejoins_with_their_weigh
     ids=["onebit", "demo", "async"],
 )
 def test_compressed_and_asynchronous_rounds_train_and_agree(
-    corpus, tmp_path, lighthouse, compress, delay
+    corpus, tmp_path, pair, compress, delay
 ):
     """1-bit and DCT pseudo-gradients, and TScale's asynchronous rounds: the loss falls, both
     workers end with the same weights, and a round sends one message of the size the wire
@@ -220,7 +230,7 @@ def test_compressed_and_asynchronous_rounds_train_and_agree(
     flags = [
         "--replicas", 2, "--inner-steps", 10, "--outer-compress", compress, "--outer-async", delay,
     ]  # fmt: skip
-    errors = finished([worker(corpus, config, run, lighthouse, k, *flags) for k in (0, 1)])
+    errors = finished([worker(corpus, config, run, pair, k, *flags) for k in (0, 1)])
     assert len(digests(errors)) == 1
     shapes = [p.shape for p in shaped_parameters(corpus, config)]
     numel = sum(math.prod(s) for s in shapes)
@@ -230,7 +240,7 @@ def test_compressed_and_asynchronous_rounds_train_and_agree(
         "none": 4 * (numel + 1),
     }[compress]
     sent = [r["sent_bytes"] for r in records(run)]
-    assert sent == [0, message] * 6  # a record every 5 steps, a round every 10
+    assert sent == [0, message + CHECK_BYTES] * 6  # a record every 5 steps, a round every 10
     losses = [r["loss"] for r in records(run)]
     assert np.mean(losses[-3:]) < np.mean(losses[:3])
 
@@ -336,19 +346,43 @@ def test_a_lighthouse_that_goes_away_ends_the_worker_with_a_clear_error(corpus, 
     assert gone.returncode == 1 and f"cannot reach the lighthouse at {url}" in gone.stderr
 
 
-def test_a_stopped_job_resumes_from_the_main_workers_checkpoint(corpus, tmp_path, lighthouse):
+def test_a_stopped_job_resumes_from_the_main_workers_checkpoint(corpus, tmp_path, pair):
     """Both workers stop at a checkpoint; started again with --resume and a later max_steps,
     they go on from its global weights and outer state, and the metrics continue without
     repeating a step."""
     config = config_file(tmp_path, max_steps=20, log_every=5, checkpoint_every=10)
     run = tmp_path / "run"
     flags = ["--replicas", 2, "--inner-steps", 5]
-    finished([worker(corpus, config, run, lighthouse, k, *flags) for k in (0, 1)])
-    again = [worker(corpus, config, run, lighthouse, k, *flags, "--resume", "--max-steps", 40) for k in (0, 1)]  # fmt: skip
+    finished([worker(corpus, config, run, pair, k, *flags) for k in (0, 1)])
+    again = [worker(corpus, config, run, pair, k, *flags, "--resume", "--max-steps", 40) for k in (0, 1)]  # fmt: skip
     errors = finished(again)
     assert len(digests(errors)) == 1
     assert [r["step"] for r in records(run)] == [5, 10, 15, 20, 25, 30, 35, 40]
     assert json.loads((run / "latest.json").read_text())["step"] == 40
+
+
+def test_workers_that_reached_a_step_apart_take_the_main_workers_weights_when_they_meet(
+    corpus, tmp_path, pair
+):
+    """Two workers train to the same step in quorums of their own (other seeds, other runs),
+    then resume against one Lighthouse: torchft sees no step to heal, the digest check sees
+    the weights differ, the second takes the main's, and both end with the same weights."""
+    flags = ["--inner-steps", 5, "--replicas", 2]
+    runs, configs = [tmp_path / "a", tmp_path / "b"], []
+    with contextlib.ExitStack() as stack:
+        apart = []
+        for k, run in enumerate(runs):
+            run.mkdir()
+            configs.append(config_file(run, "run.toml", max_steps=10, checkpoint_every=10, seed=k))
+            url = stack.enter_context(lighthouse_server("127.0.0.1:0", 1, join_timeout_s=1))
+            apart.append(worker(corpus, configs[k], run / "out", url, k, *flags))
+        assert len(digests(finished(apart))) == 2
+    errors = finished([
+        worker(corpus, configs[k], run / "out", pair, k, *flags, "--resume", "--max-steps", 20)
+        for k, run in enumerate(runs)
+    ])  # fmt: skip
+    assert len(digests(errors)) == 1
+    assert ["took the main worker's, at step 15" in err for err in errors] == [False, True]
 
 
 def test_diloco_settings_that_cannot_work_are_refused(corpus, tmp_path):

@@ -254,7 +254,7 @@ class Outer:
         Manager, ProcessGroupGloo = _torchft()
         from teralm.train.ft_transport import SafetensorsTransport
 
-        self.model, self.inner, self.cfg = model, inner, cfg
+        self.model, self.inner, self.cfg, self.replica = model, inner, cfg, replica
         self.names, self.params = zip(*model.named_parameters())
         self.globals = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
         for g in self.globals:
@@ -305,6 +305,7 @@ class Outer:
             self._apply_pending()
         self.boundary, self.healed = step, None
         self._quorum()
+        self._agree()
         if self.healed is not None:  # this worker holds a peer's state now: nothing to add
             step, weight = self.healed, 0.0
             deltas = [torch.zeros_like(d) for d in deltas]
@@ -350,6 +351,58 @@ class Outer:
                 f"{self.timeout.total_seconds():.0f} s ({type(e).__name__}: {e}); is it "
                 "running, and are at least min_replicas workers up?"
             ) from None
+
+    def _agree(self) -> None:
+        """Make every worker of the quorum start the round from the same global weights.
+
+        torchft heals a worker whose step is behind; it cannot see workers that reached the same
+        step apart (each in a quorum of its own while the others were away, as when one starts
+        late with ``min_replicas`` 1), whose weights differ. A 16-byte all-reduce compares the
+        workers' digests; when they differ, the main worker broadcasts its global weights, outer
+        momentum and step, and a worker that held others counts as healed: nothing to add this
+        round."""
+        workers = self.manager.num_participants()
+        if workers < 2 or self.manager.errored():
+            return
+        mark = float(int(self.digest()[:12], 16))  # 48 bits of the digest: exact in fp64
+        try:
+            marks = torch.tensor([mark, -mark], dtype=torch.float64)
+            self.pg.allreduce([marks], ReduceOp.MAX).wait()
+            self.traffic.all_reduced(marks.numel() * marks.element_size(), workers)
+            if marks[0] == -marks[1]:
+                return
+            main = self.main
+            head = torch.tensor([mark, self.boundary], dtype=torch.float64)
+            flat = torch.cat([t.reshape(-1) for t in self._outer_tensors()])
+            for t in (head, flat):
+                self.pg.broadcast_one(t, 0).wait()
+                self.traffic.broadcast(t.numel() * t.element_size(), workers, root=main)
+        except Exception as e:  # a peer gone: the round fails and is redone
+            self.manager.report_error(e)
+            return
+        if float(head[0]) != mark:
+            with torch.no_grad():
+                for t, part in zip(self._outer_tensors(), _unflatten(flat, self._outer_tensors())):
+                    t.copy_(part)
+            self.healed = self.committed = int(head[1])
+            print(
+                f"worker {self.replica}: the quorum's global weights differed from this worker's "
+                f"(it trained apart); took the main worker's, at step {self.healed}",
+                file=sys.stderr, flush=True,
+            )  # fmt: skip
+
+    def _outer_tensors(self) -> list[torch.Tensor]:
+        """The global weights, then the outer momentum (zeros before the first outer step)."""
+        weights = [g.detach() for g in self.globals]
+        if not self.cfg.outer_momentum:
+            return weights
+        buffers = []
+        for g in self.globals:
+            state = self.outer.state[g]
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = torch.zeros_like(g)
+            buffers.append(state["momentum_buffer"])
+        return weights + buffers
 
     def _outer_step(self, mean: list[torch.Tensor]) -> None:
         for g, m in zip(self.globals, mean):

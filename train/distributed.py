@@ -97,6 +97,9 @@ class Traffic:
     def all_gathered(self, nbytes: int, world: int) -> None:
         self._add((world - 1) * nbytes)
 
+    def broadcast(self, nbytes: int, world: int, root: bool) -> None:
+        self._add((world - 1) * nbytes if root else 0)
+
     def all_to_all(self, nbytes: int, world: int) -> None:
         self._add((world - 1) * nbytes // world)
 
