@@ -27,12 +27,12 @@ def key_words(cap: int, elem_bits: int) -> int:
     return (cap + per_word - 1) // per_word
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _is_doc_start(bits, p):
     return (bits[p >> 6] >> np.uint64(p & 63)) & np.uint64(1)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _doc_depth(bits, p, cap):
     """Tokens from ``p`` back to its document start, inclusive, at most ``cap``."""
     if cap <= 64 and p >= cap:
@@ -55,7 +55,7 @@ def _doc_depth(bits, p, cap):
     return d
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _key_less(keys, a, b):
     for w in range(keys.shape[1]):
         if keys[a, w] != keys[b, w]:
@@ -63,7 +63,7 @@ def _key_less(keys, a, b):
     return a < b
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _sift_down(keys, head, heap, size, i):
     """Restore the heap property below ``heap[i]`` (runs ordered by their head rows' keys)."""
     while True:
@@ -107,7 +107,7 @@ def merge_sorted(keys, run_starts, run_ends):
     return order
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _common_words(x, y, elem_bits):
     """Leading key elements that the packed keys ``x`` and ``y`` (rows of words) share."""
     per_word = 64 // elem_bits

@@ -53,13 +53,13 @@ def shard_table(arrays: list[np.ndarray]) -> np.ndarray:
     return np.array([(a.ctypes.data, len(a)) for a in arrays], dtype=np.int64)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _shard_tokens(corpus, k):
     row = corpus[0][k]
     return carray(_pointer(row[0]), row[1], corpus[1].dtype)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _position(corpus, i):
     """The corpus position at rank ``i`` of the order."""
     order, width = corpus[4], corpus[5]
@@ -75,12 +75,12 @@ def _position(corpus, i):
     return p
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _size(corpus):
     return len(corpus[4]) // corpus[5]
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _common(corpus, doc_bits, separator, n_total, i, ctx, end, limit):
     """(common prefix length with the query, and whether the query sorts before the entry's key)
     for the entry at rank ``i``. The query is ``ctx[end-limit:end]`` read backwards (the reversed
@@ -109,7 +109,7 @@ def _common(corpus, doc_bits, separator, n_total, i, ctx, end, limit):
     return limit, True
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _matchable(ctx, begin, end, separator):
     """How many of the last tokens of ``ctx[begin:end]`` can match: those after its last
     separator value."""
@@ -119,7 +119,7 @@ def _matchable(ctx, begin, end, separator):
     return m
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _bucket(buckets, elem_bits, ctx, end, m):
     """The query's first key word (its first ``m`` elements, zero-padded) and the rank range
     ``[a, b)`` of the bucket table entries that share its leading 16 bits (or its first ``m``
@@ -134,7 +134,7 @@ def _bucket(buckets, elem_bits, ctx, end, m):
     return word, np.int64(buckets[lead]), np.int64(buckets[lead + width])
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _search(corpus, doc_bits, separator, n_total, lo, hi, ctx, end, m):
     """Binary search of ranks ``[lo, hi)`` for the query's insertion point: (length of the
     longest common prefix there, the insertion rank, and the common prefix lengths of the ranks
@@ -335,7 +335,7 @@ def pair_counts(buckets: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.stack([order, np.take_along_axis(counts, order, 1)], axis=-1))
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _room(rows, size):
     """``rows``, or a copy at least twice as long, with room for ``size`` rows."""
     if size <= len(rows):
@@ -467,7 +467,7 @@ def lookup(
     return summary, ranges[:total_ranges], range_offsets, offsets, rows[: offsets[contexts]], -1
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _earlier_followers(corpus, lo, hi, stride, limit, target, separator):
     """Of ranks ``lo, lo + stride, ...`` below ``hi``: how many hold a position ``p`` with
     ``p + 1 < limit`` and a follower, and how many of those followers are ``target``. Branch-free,
