@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +18,20 @@ from teralm.index import Index
 os.environ.setdefault("TQDM_DISABLE", "1")
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def cli_here(*args) -> subprocess.CompletedProcess:
+    """``teralm ARGS`` run in this process (for commands that are refused before any work: the
+    CLI's own code path, without a new interpreter's import of torch), as ``run_cli`` gives it."""
+    from teralm import cli
+
+    argv, out, err = list(map(str, args)), io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(argv)
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def random_documents(

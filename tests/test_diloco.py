@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import build_docs, random_documents
+from conftest import build_docs, cli_here, random_documents
 from test_cli import ENV, run_cli
 from test_distributed import final_weights, reference_step, torchrun
 
@@ -403,7 +403,7 @@ def test_diloco_settings_that_cannot_work_are_refused(corpus, tmp_path):
         ("--mode", "diloco", "--comm", "demo"): "leave comm at allreduce",
     }
     for i, (flags, message) in enumerate(cases.items()):
-        out = run_cli(*args, "--out", tmp_path / f"run{i}", *flags)
+        out = cli_here(*args, "--out", tmp_path / f"run{i}", *flags)
         assert out.returncode == 1 and message in out.stderr, (flags, out.stderr)
     under = torchrun(2, *args, "--out", tmp_path / "torchrun", "--mode", "diloco",
                      "--lighthouse", "http://127.0.0.1:9")  # fmt: skip

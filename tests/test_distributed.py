@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import scipy.fft
 import torch
-from conftest import build_docs, random_documents
+from conftest import build_docs, cli_here, random_documents
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
@@ -384,30 +384,33 @@ def test_bad_settings_get_a_clear_error(corpus, tmp_path):
     odd = torchrun(4, *args, "--out", tmp_path / "odd")
     assert odd.returncode != 0
     assert "batch_size 6 (the global batch) is not a multiple of the 4 processes" in odd.stderr
-    zero = run_cli(*args, "--out", tmp_path / "zero", "--comm", "demo", "--demo-chunk", 0)
+    zero = cli_here(*args, "--out", tmp_path / "zero", "--comm", "demo", "--demo-chunk", 0)
     assert zero.returncode == 1 and "demo_chunk and demo_topk must be at least 1" in zero.stderr
-    early = run_cli(
+    early = cli_here(
         *args, "--out", tmp_path / "early", "--comm", "powersgd", "--powersgd-warmup", 1
     )
     assert early.returncode == 1 and "powersgd_warmup at least 2" in early.stderr
-    unknown = run_cli(*args, "--out", tmp_path / "unknown", "--comm", "carrier-pigeon")
+    unknown = cli_here(*args, "--out", tmp_path / "unknown", "--comm", "carrier-pigeon")
     assert unknown.returncode == 2 and "invalid choice: 'carrier-pigeon'" in unknown.stderr
     assert not any((tmp_path / name).exists() for name in ("zero", "early", "unknown"))
 
 
-def test_one_process_runs_the_exchanges_code_paths(corpus, tmp_path):
+@pytest.mark.parametrize(
+    "comm",
+    ["demo", pytest.param("onebit", marks=pytest.mark.slow), pytest.param("powersgd", marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_one_process_runs_the_exchanges_code_paths(corpus, tmp_path, comm):
     """World size 1 exercises the exchanges (DeMo's sign step, 1-bit error feedback, PowerSGD
     on a process group of one) too."""
     config = tmp_path / "run.toml"
     config.write_text(CONFIG)
-    for comm in ("onebit", "powersgd", "demo"):
-        out = run_cli(
-            "train", "--index", corpus.directory, "--out", tmp_path / comm, "--config", config,
-            "--comm", comm, "--powersgd-warmup", 2, "--quiet",
-        )  # fmt: skip
-        assert out.returncode == 0, out.stderr
-        assert final_weights(tmp_path / comm).keys()
-    assert os.path.exists(tmp_path / "demo" / "loss.png")
+    out = run_cli(
+        "train", "--index", corpus.directory, "--out", tmp_path / comm, "--config", config,
+        "--comm", comm, "--powersgd-warmup", 2, "--quiet",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert final_weights(tmp_path / comm).keys()
+    assert os.path.exists(tmp_path / comm / "loss.png")
 
 
 def test_demo_sends_the_top_components_and_keeps_the_rest_in_its_momentum():

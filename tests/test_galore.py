@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import build_docs, random_documents
+from conftest import build_docs, cli_here, random_documents
 from test_cli import run_cli
 
 from teralm.model import checkpoint
@@ -151,7 +151,9 @@ def corpus(tmp_path_factory):
     return build_docs(tmp_path_factory.mktemp("corpus"), docs)
 
 
-@pytest.mark.parametrize("optimizer", ["galore", "galore8bit"])
+@pytest.mark.parametrize(
+    "optimizer", ["galore", pytest.param("galore8bit", marks=pytest.mark.slow)]
+)  # 8-bit state resumes through the same code; on demand
 def test_training_resumes_with_galore_as_if_never_stopped(corpus, tmp_path, optimizer):
     """A run with GaLore's optimizer, resumed from its step-3 checkpoint (its projections,
     moments and step counts saved), ends with the weights of the uninterrupted run."""
@@ -179,10 +181,12 @@ def test_optimizer_choices_that_cannot_work_are_refused(corpus, tmp_path):
     args = ["train", "--index", corpus.directory, "--config", config, "--quiet"]
     out = run_cli(*args, "--out", tmp_path / "run")
     assert out.returncode == 0, out.stderr
-    switched = run_cli(*args, "--out", tmp_path / "run", "--resume", "--optimizer", "galore")
+    switched = cli_here(*args, "--out", tmp_path / "run", "--resume", "--optimizer", "galore")
     assert switched.returncode == 1
     assert "the run was trained with other settings: optimizer" in switched.stderr
-    both = run_cli(*args, "--out", tmp_path / "demo", "--optimizer", "galore", "--comm", "demo")
+    both = cli_here(*args, "--out", tmp_path / "demo", "--optimizer", "galore", "--comm", "demo")
     assert both.returncode == 1 and "comm demo is an optimizer of its own" in both.stderr
-    offloaded = run_cli(*args, "--out", tmp_path / "d2", "--offload", "optimizer", "--comm", "demo")
+    offloaded = cli_here(
+        *args, "--out", tmp_path / "d2", "--offload", "optimizer", "--comm", "demo"
+    )
     assert offloaded.returncode == 1 and "use offload none" in offloaded.stderr
