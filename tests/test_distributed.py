@@ -377,6 +377,29 @@ def test_two_processes_killed_with_sigkill_resume_the_same_curve(corpus, tmp_pat
         assert torch.equal(got[name], want[name]), name
 
 
+def test_two_machines_with_their_own_disks_train_one_run_written_by_rank_0(corpus, tmp_path):
+    """Two torchrun nodes on 127.0.0.1, each with its own --out (as two hosts without a shared
+    disk have): both finish, and only rank 0's folder holds the run."""
+    config = tmp_path / "run.toml"
+    config.write_text(CONFIG)
+    port, nodes = free_port(), []
+    for rank, out in enumerate((tmp_path / "main", tmp_path / "peer")):
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+            str(rank), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
+            str(port), "-m", "teralm.cli", "train", "--index", str(corpus.directory), "--out",
+            str(out), "--config", str(config), "--quiet",
+        ]  # fmt: skip
+        nodes.append(
+            subprocess.Popen(command, env=torchrun_env(), stderr=subprocess.PIPE, text=True)
+        )
+    for node in nodes:
+        assert node.wait(timeout=300) == 0, node.stderr.read()
+    assert len((tmp_path / "main" / "metrics.jsonl").read_text().splitlines()) == 4
+    peer = tmp_path / "peer"
+    assert not peer.exists() or not any(peer.iterdir()), list(peer.iterdir())
+
+
 def test_bad_settings_get_a_clear_error(corpus, tmp_path):
     config = tmp_path / "run.toml"
     config.write_text(CONFIG)

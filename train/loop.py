@@ -455,7 +455,9 @@ def _train(
     bar = tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step", disable=not progress)
     with contextlib.ExitStack() as stack:
         batches = stack.enter_context(contextlib.closing(batches_from(start)))
-        metrics = stack.enter_context(open(run / METRICS, "a")) if outer is None else None
+        metrics = (
+            stack.enter_context(open(run / METRICS, "a")) if outer is None and world.main else None
+        )
         while step < cfg.max_steps:
             if cfg.max_minutes and (outer is None or step == round_start):  # between rounds
                 late = wall_before + time.perf_counter() - t0 > 60 * cfg.max_minutes
