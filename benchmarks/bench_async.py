@@ -78,13 +78,11 @@ def killed_run(index: Path, run: Path, steps: int, extra: list, workers: int) ->
             return subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
 
         procs = [start(r) for r in range(workers)]
-        reached = lambda fraction: (
-            (run / "metrics.jsonl").exists()
-            and read_metrics(run)
-            and (  # noqa: E731
-                read_metrics(run)[-1]["step"] >= fraction * steps
-            )
-        )
+
+        def reached(fraction: float) -> bool:
+            records = read_metrics(run) if (run / "metrics.jsonl").exists() else []
+            return bool(records) and records[-1]["step"] >= fraction * steps
+
         while not reached(0.3):
             time.sleep(0.5)
         procs[-1].send_signal(signal.SIGKILL)
