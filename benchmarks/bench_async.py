@@ -35,9 +35,10 @@ import time
 from pathlib import Path
 
 from bench_distributed import HOME, PEER, has_netem, namespaces, torchrun
+from bench_distributed import train_args as sync_train_args
 from common import CACHE, corpus_index, free_port, run_measured, save, table, teralm_cli
 
-from teralm.train.diloco import lighthouse_server
+from teralm.train.diloco import lighthouse_server, worker_threads
 from teralm.train.report import read_metrics
 
 WORK = CACHE / "async"
@@ -46,8 +47,8 @@ COMPRESSIONS = ("none", "onebit", "demo")
 
 
 def train_args(index: Path, run: Path, steps: int, *extra) -> list[str]:
-    args = ["train", "--index", index, "--out", run, "--preset", "tiny", "--max-steps", steps]
-    return [*map(str, [*args, "--checkpoint-every", steps, *extra]), "--quiet"]
+    """The tiny preset's ``teralm train`` arguments (comm allreduce, which DiLoCo leaves as is)."""
+    return sync_train_args(index, run, steps, "allreduce", "--preset", "tiny", *extra)
 
 
 def diloco_args(inner: int, workers: int, compress: str) -> list:
@@ -68,7 +69,7 @@ def total_sent(run: Path, steps: int) -> int:
 def killed_run(index: Path, run: Path, steps: int, extra: list, workers: int) -> float:
     """The DiLoCo run with worker ``workers - 1`` killed at 30% of the steps and started again
     with --resume at 60%: its wall time."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // workers))}
+    env = {**os.environ, "OMP_NUM_THREADS": str(worker_threads(workers))}
     began = time.perf_counter()
     with lighthouse_server("127.0.0.1:0", min_replicas=1) as url:
 

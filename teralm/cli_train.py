@@ -310,7 +310,7 @@ def _train_run(args: argparse.Namespace) -> int:
 def _launch_workers(args: argparse.Namespace, cfg) -> int:
     """``--lighthouse auto``: a lighthouse and ``replicas`` workers on this machine, each on
     its share of the cores (as torchrun's ``OMP_NUM_THREADS``) unless threads are set."""
-    from teralm.train.diloco import launch_local
+    from teralm.train.diloco import launch_local, worker_threads
 
     argv, given = [], iter(args.argv)
     for arg in given:  # the same command, less --lighthouse auto
@@ -318,8 +318,7 @@ def _launch_workers(args: argparse.Namespace, cfg) -> int:
             next(given, None)
         elif not arg.startswith("--lighthouse="):
             argv.append(arg)
-    threads = str(max(1, (os.cpu_count() or 1) // cfg.replicas))
-    env = {"OMP_NUM_THREADS": threads, **os.environ}
+    env = {"OMP_NUM_THREADS": str(worker_threads(cfg.replicas)), **os.environ}
     return launch_local(argv, cfg.replicas, cfg.min_replicas, args.quiet, env)
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import build_docs, cli_here, random_documents
 from test_cli import ENV, run_cli
-from test_distributed import final_weights, reference_step, torchrun
+from test_distributed import CONFIG, final_weights, reference_step, torchrun, torchrun_env
 
 os.environ.setdefault("RUST_LOG", "error")  # torchft's Rust side: no note of every quorum
 pytest.importorskip("torchft", reason="mode diloco runs on torchft (pip install 'teralm[ft]')")
@@ -33,23 +33,6 @@ from teralm.train.distributed import Traffic  # noqa: E402
 from teralm.train.ft_transport import SafetensorsTransport, decode_state, encode_state  # noqa: E402
 from teralm.train.optim import make_optimizer  # noqa: E402
 
-CONFIG = """
-[model]
-n_layer = 1
-n_head = 2
-d_model = 16
-max_seq_len = 16
-precision = "fp32"
-[train]
-batch_size = 6
-seq_len = 16
-max_steps = 4
-warmup_steps = 2
-checkpoint_every = 100
-log_every = 1
-holdout_every = 5
-"""
-WORKER_ENV = {**ENV, "OMP_NUM_THREADS": "1"}
 CHECK_BYTES = 16  # a round's digest check between two workers: 2 fp64 values, all-reduced
 DIGEST = re.compile(r"worker (\d+): (\d+) rounds, [\d,]+ bytes sent; global weights sha256 (\w+)")
 
@@ -83,7 +66,7 @@ def worker(corpus, config: Path, run: Path, url: str, replica: int, *flags) -> s
         "--outer-timeout", 30, *flags,
     ]  # fmt: skip
     return subprocess.Popen(
-        list(map(str, command)), env=WORKER_ENV, stdout=subprocess.PIPE,
+        list(map(str, command)), env=torchrun_env(), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 

@@ -381,8 +381,9 @@ class Outer:
             self.manager.report_error(e)
             return
         if float(head[0]) != mark:
+            mine = self._outer_tensors()
             with torch.no_grad():
-                for t, part in zip(self._outer_tensors(), _unflatten(flat, self._outer_tensors())):
+                for t, part in zip(mine, _unflatten(flat, mine)):
                     t.copy_(part)
             self.healed = self.committed = int(head[1])
             print(
@@ -546,6 +547,11 @@ def lighthouse_server(bind: str, min_replicas: int, join_timeout_s: float = 10.0
         yield f"http://{reachable}:{port}"
     finally:
         server.shutdown()
+
+
+def worker_threads(replicas: int) -> int:
+    """Threads for each of ``replicas`` workers on this machine: its share of the cores."""
+    return max(1, (os.cpu_count() or 1) // replicas)
 
 
 def launch_local(

@@ -393,7 +393,8 @@ def _train(
             return world.main
         return outer.main if outer.rounds else worker.replica == 0
 
-    if outer is None and world.main:
+    logs_each_step = outer is None and world.main  # DiLoCo writes its metrics by round
+    if logs_each_step:
         _truncate_metrics(run / METRICS, start)
     forward = exchange.wrap(model)
     forward = torch.compile(forward) if cfg.compile else forward
@@ -455,9 +456,7 @@ def _train(
     bar = tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step", disable=not progress)
     with contextlib.ExitStack() as stack:
         batches = stack.enter_context(contextlib.closing(batches_from(start)))
-        metrics = (
-            stack.enter_context(open(run / METRICS, "a")) if outer is None and world.main else None
-        )
+        metrics = stack.enter_context(open(run / METRICS, "a")) if logs_each_step else None
         while step < cfg.max_steps:
             if cfg.max_minutes and (outer is None or step == round_start):  # between rounds
                 late = wall_before + time.perf_counter() - t0 > 60 * cfg.max_minutes
@@ -489,7 +488,7 @@ def _train(
                 }
                 if outer is not None:
                     round_records.append(record)
-                elif world.main:
+                elif logs_each_step:
                     metrics.write(json.dumps(record) + "\n")
                     metrics.flush()
                 bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{rate:,.0f}")
