@@ -3,6 +3,10 @@ for small steps when it computes what the model does, else ``Transformer.decode`
 
 from __future__ import annotations
 
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
@@ -16,6 +20,14 @@ from teralm.model import Transformer
 from teralm.model.kv_cache import KVCache
 
 MAX_ROWS = 256  # past this many new tokens per call, the kernel's plain attention loops lose
+PART_ROWS = 8  # the fewest rows worth a thread of their own
+ROW_POSITIONS = 96  # a row's matrix products cost about as much as attending to this many keys
+SHARE_STEP = 0.25  # how far one call's imbalance moves the calling thread's share
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def fused_decode_fits(model: Transformer) -> bool:
@@ -58,16 +70,34 @@ class Decoder:
     """``decode`` runs new tokens of the sequences cached in consecutive slots of ``cache``:
     ``counts[b]`` tokens for slot ``first + b``, flattened in slot order. Calls of up to
     ``MAX_ROWS`` tokens go through the kernel when ``fused`` (default: when it fits the
-    model), reading the parameters and the cache in place; the others through the model."""
+    model), reading the parameters and the cache in place; the others through the model.
 
-    def __init__(self, model: Transformer, cache: KVCache, fused: bool | None = None):
+    The kernel runs without the GIL, so a call of many rows is split, at sequence boundaries,
+    into parts run at once on up to ``threads`` threads (default: one per core; the sequences'
+    caches are apart, so the parts share nothing they write). The calling thread runs the
+    first part and then the call's ``alongside`` work; its share of the rows is tuned from
+    call to call so that it finishes when the other threads do (waking a thread costs a few
+    hundred microseconds on some machines)."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        cache: KVCache,
+        fused: bool | None = None,
+        threads: int | None = None,
+    ):
         self.model, self.cache = model, cache
         self.fused = fused_decode_fits(model) if fused is None else fused
         if self.fused and not fused_decode_fits(model):
             raise ValueError("the fused decoder runs fp32 models on the CPU only")
+        self.threads = threads or cores()
+        self._pool = None
+        self._share = 1 / self.threads  # of a split call's cost, for the calling thread
         if self.fused:
             self._args = self._kernel_arguments()
             _limit_blas_threads()
+            if self.threads > 1:
+                self._pool = ThreadPoolExecutor(self.threads - 1, "teralm-decode")
 
     def decode(
         self,
@@ -77,15 +107,19 @@ class Decoder:
         counts: list[int],
         first: int = 0,
         keep_hidden: bool = False,
+        alongside: Callable[[], None] | None = None,
     ) -> Decoded:
         """The ``N = sum(counts)`` tokens through the model, their keys and values added to the
-        cache (ValueError when a sequence would pass ``max_seq_len``)."""
+        cache (ValueError when a sequence would pass ``max_seq_len``). ``alongside`` (work
+        that needs no output of the model, called once) runs on this thread while the
+        kernel's other parts run on theirs."""
         B = len(counts)
         start = self.cache.lengths.numpy()[first : first + B]  # a view of the cache's lengths
         if int((start + np.asarray(counts)).max()) > self.cache.max_len:
             raise ValueError(f"positions beyond max_seq_len {self.cache.max_len}")
         if self.fused and sum(counts) <= MAX_ROWS:
-            return self._fused(tokens, next_token, match_len, counts, first, start, keep_hidden)
+            rows = (tokens, next_token, match_len, counts, first, start)
+            return self._fused(*rows, keep_hidden, alongside or (lambda: None))
         columns = [torch.tensor(xs, device=self.cache.keys[0].device) for xs in (tokens, next_token, match_len)]  # fmt: skip
         if len(set(counts)) == 1:  # one batched call
             hidden = self.model.decode(*(c.view(B, -1) for c in columns), self.cache, first)
@@ -97,13 +131,15 @@ class Decoder:
                 offset += n
             hidden = torch.cat(parts)[None]
         logits, gate = self.model.head(hidden)
+        if alongside is not None:
+            alongside()
         return Decoded(
             logits.flatten(0, 1).float(),
             None if gate is None else gate.flatten(),
             hidden.flatten(0, 1).float() if keep_hidden else None,
         )
 
-    def _fused(self, tokens, next_token, match_len, counts, first, start, keep_hidden):
+    def _fused(self, tokens, next_token, match_len, counts, first, start, keep_hidden, alongside):
         """The kernel on the rows; ``start``: the slots' cache lengths (a view, advanced)."""
         n, counts = sum(counts), np.asarray(counts)
         sequence = np.repeat(np.arange(len(counts)), counts)  # of each row
@@ -111,11 +147,26 @@ class Decoder:
         logits = np.empty((n, self.model.cfg.vocab_size), dtype=np.float32)
         gate = np.empty(n, dtype=np.float32)
         hidden = _empty(n if keep_hidden else 0, self.model.cfg.d_model)
-        as_array = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
-        forward_rows(
-            as_array(tokens), as_array(next_token), as_array(match_len), first + sequence, positions,
-            **self._args, logits=logits, gate=gate, hidden_out=hidden,
-        )  # fmt: skip
+        columns = [np.asarray(xs, dtype=np.int64) for xs in (tokens, next_token, match_len)]
+        columns += [first + sequence, positions]
+
+        def run(rows: slice) -> float:
+            forward_rows(
+                *(c[rows] for c in columns), **self._args, logits=logits[rows], gate=gate[rows],
+                hidden_out=hidden[rows] if keep_hidden else hidden,
+            )  # fmt: skip
+            return time.perf_counter()
+
+        began = time.perf_counter()
+        parts = self._parts(counts, positions)
+        running = [self._pool.submit(run, rows) for rows in parts[1:]]
+        run(parts[0])
+        try:
+            alongside()
+        finally:  # the other parts write into this call's arrays and the cache
+            mine, theirs = time.perf_counter(), [part.result() for part in running]
+        if theirs:
+            self._balance(began, mine, max(theirs))
         start += counts
         has_gate = self.model.mixture_gate is not None
         return Decoded(
@@ -123,6 +174,32 @@ class Decoder:
             torch.from_numpy(gate) if has_gate else None,
             torch.from_numpy(hidden) if keep_hidden else None,
         )
+
+    def close(self) -> None:
+        """Let the kernel's threads go."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+    def _parts(self, counts: np.ndarray, positions: np.ndarray) -> list[slice]:
+        """The rows in consecutive parts of whole sequences, one per thread: the first of
+        ``_share`` of the cost (a row costs ``ROW_POSITIONS`` plus its position), the others
+        of equal shares of the rest; one part for few rows."""
+        parts = min(self.threads, len(counts), len(positions) // PART_ROWS)
+        if parts <= 1:
+            return [slice(None)]
+        ends = np.cumsum(counts)
+        cost = np.cumsum(positions + ROW_POSITIONS)[ends - 1]  # up to each sequence's end
+        shares = self._share + (1 - self._share) * np.arange(parts - 1) / (parts - 1)
+        cuts = np.searchsorted(cost, cost[-1] * shares)
+        bounds = [0, *np.unique(ends[cuts]).tolist()]
+        bounds = [b for b in bounds if b < len(positions)] + [len(positions)]
+        return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+    def _balance(self, began: float, mine: float, theirs: float) -> None:
+        """Move the calling thread's share towards the point where it and the other threads
+        (done at ``mine`` and ``theirs``) finish together."""
+        wait = (theirs - mine) / max(max(mine, theirs) - began, 1e-9)  # > 0: this thread waited
+        self._share = min(max(self._share + SHARE_STEP * wait, 0.1), 0.9)
 
     def _kernel_arguments(self) -> dict:
         """The kernel's view of the model and the cache: arrays sharing their memory."""

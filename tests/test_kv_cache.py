@@ -163,3 +163,39 @@ def test_fused_decoder_runs_only_what_it_computes_exactly(model):
     assert not Decoder(bf16, cache).fused
     with pytest.raises(ValueError, match="fp32"):
         Decoder(bf16, cache, fused=True)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("fused", [False, True], ids=["model", "fused"])
+def test_split_calls_match_one_thread(model, fused):
+    """A call of many rows split across threads at sequence boundaries (at whatever share the
+    balancing has reached) gives one thread's logits and cache; ``alongside`` runs once."""
+    rng = np.random.default_rng(6)
+    texts = [Text(rng, int(rng.integers(1, 12))) for _ in range(12)]
+    decoders = []
+    for threads in (1, 3):
+        cache = KVCache(CONFIG, slots=len(texts), device=torch.device("cpu"), dtype=torch.float32)
+        decoders.append(Decoder(model, cache, fused, threads=threads))
+    calls = []
+
+    def count_call() -> None:
+        calls.append(1)
+
+    for step in range(6):
+        counts = [len(t.tokens) for t in texts] if step == 0 else [int(rng.integers(1, 4)) for _ in texts]  # fmt: skip
+        if step:
+            for text, n in zip(texts, counts):
+                text.grow(n)
+        rows = [sum((t.lists(-n)[k] for t, n in zip(texts, counts)), []) for k in range(3)]
+        results = [decoder.decode(*rows, counts, alongside=count_call) for decoder in decoders]
+        assert len(calls) == 2 * (step + 1)
+        torch.testing.assert_close(results[1].logits, results[0].logits, atol=1e-5, rtol=1e-5)
+        assert_gates_close(results[1].gate, results[0].gate)
+        torch.testing.assert_close(decoders[1].cache.keys[0], decoders[0].cache.keys[0])
+        assert decoders[1].cache.lengths.tolist() == [len(t.tokens) for t in texts]
+    if fused:  # the calls were split, and the balancing moved the calling thread's share
+        positions = np.arange(sum(counts))
+        assert len(decoders[1]._parts(np.asarray(counts), positions)) == 3
+        assert decoders[1]._share != 1 / 3
+    for decoder in decoders:
+        decoder.close()
