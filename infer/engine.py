@@ -234,6 +234,7 @@ class Engine:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+        self.decoder.close()
 
     # -- the worker thread -------------------------------------------------------------------
 
@@ -360,7 +361,8 @@ class Engine:
             if stop == n:
                 break
             start = stop - window // 2
-        self._ready(seq, self._next_logp([seq], [seq.tokens], out, slice(-1, None)))
+        infgram = self._infgram([seq], [seq.tokens])
+        self._ready(seq, self._next_logp([seq], out, infgram, slice(-1, None)))
 
     def _reuse_prefix(self, seq: Sequence, slot: int) -> int:
         """Start a prompt that fits the window in ``slot`` with the keys and values of its
@@ -384,9 +386,9 @@ class Engine:
         tokens = [t for seq, _, reused in group for t in seq.tokens[reused:]]
         features = [f for seq, _, reused in group for f in seq.features[reused:]]
         try:
-            out = self._run_model(tokens, features, counts, first)
             last = torch.tensor(counts).cumsum(0) - 1
-            logp = self._next_logp(seqs, [seq.tokens for seq in seqs], out, last)
+            contexts = [seq.tokens for seq in seqs]
+            logp = self._run_and_mix(seqs, contexts, tokens, features, counts, first, last)
         except Exception as e:
             for seq in seqs:
                 self._fail(seq, e)
@@ -402,23 +404,35 @@ class Engine:
         features = seq.features[start:stop]
         return self._run_model(seq.tokens[start:stop], features, [stop - start], slot)
 
-    def _run_model(self, tokens, features, counts, first=0) -> Decoded:
+    def _run_model(self, tokens, features, counts, first=0, alongside=None) -> Decoded:
         """The decoder on new tokens with their (match length, next token) features (with
-        their hidden states when a kNN datastore is mixed in)."""
+        their hidden states when a kNN datastore is mixed in), doing ``alongside`` meanwhile."""
         began = time.perf_counter()
         with autocast(self.device, self.precision):
             lengths, nexts = zip(*features)
-            out = self.decoder.decode(tokens, nexts, lengths, counts, first, self.knn is not None)
+            keep_hidden = self.knn is not None
+            out = self.decoder.decode(tokens, nexts, lengths, counts, first, keep_hidden, alongside)
         self.stats.model_s += time.perf_counter() - began
         return out
 
-    def _next_logp(self, owners: list[Sequence], contexts, out: Decoded, rows=slice(None)):
+    def _run_and_mix(self, owners, contexts, tokens, features, counts, first=0, rows=slice(None)):
+        """``_next_logp`` after ``rows`` of the decoder's output on new tokens (``_run_model``),
+        with the ∞-gram query after ``contexts`` made while the decoder's other threads run."""
+        infgram = []
+
+        def query() -> None:
+            infgram.append(self._infgram(owners, contexts))
+
+        out = self._run_model(tokens, features, counts, first, query)
+        return self._next_logp(owners, out, infgram[0], rows)
+
+    def _next_logp(self, owners: list[Sequence], out: Decoded, infgram, rows=slice(None)):
         """Log-probabilities of the next token after ``rows`` of the decoder's output [R, vocab]
-        (row ``r`` belongs to ``owners[r]``, after ``contexts[r]``): the model's, mixed with the
-        ∞-gram's (one query) and the kNN datastore's (one search) for sequences that use the
-        index."""
+        (row ``r`` belongs to ``owners[r]``): the model's, mixed with the ∞-gram's (``infgram``:
+        ``_infgram``'s answer for the rows) and the kNN datastore's (one search) for sequences
+        that use the index."""
         gate = None if out.gate is None else out.gate[rows]
-        logp = next_token_logp(self.model, out.logits[rows], gate, self._infgram(owners, contexts))
+        logp = next_token_logp(self.model, out.logits[rows], gate, infgram)
         using = [r for r, seq in enumerate(owners) if seq.use_index]
         if self.knn is None or not using:
             return logp
@@ -452,7 +466,8 @@ class Engine:
             return
         rows = slice(first - 1 - start, stop - 1 - start)
         tails = [seq.tokens[max(0, p - self.index.max_match) : p] for p in range(first, stop)]
-        logp = self._next_logp([seq] * len(tails), tails, out, rows)
+        owners = [seq] * len(tails)
+        logp = self._next_logp(owners, out, self._infgram(owners, tails), rows)
         for token, row in zip(seq.tokens[first:stop], logp):
             seq.on_event(TokenEvent(token, float(row[token]), self._top(seq, row), True))
 
@@ -554,7 +569,7 @@ class Engine:
             for s, n in zip(seqs, counts)
             for i in range(n)
         ]
-        logp = self._next_logp(owners, contexts, self._run_model(tokens, features, counts))
+        logp = self._run_and_mix(owners, contexts, tokens, features, counts)
         for seq, rows in zip(seqs, logp.split(counts)):
             seq.logp = rows
 
