@@ -151,7 +151,8 @@ class Engine:
     as ``DRAFT_TOKENS`` with the fused CPU decoder, where a few more rows cost little, else
     none). ``prefix_cache``: bytes of recent prompts' keys and values kept for reuse (0: none).
     ``knn``: a datastore of the model's hidden states, mixed in as calibrated for the model as
-    served, for sequences that use the index."""
+    served, for sequences that use the index. ``threads``: the fused decoder's (default: one
+    per core)."""
 
     def __init__(
         self,
@@ -161,6 +162,7 @@ class Engine:
         speculate: int | None = None,
         prefix_cache: int = PREFIX_CACHE_BYTES,
         knn: KnnDatastore | None = None,
+        threads: int | None = None,
     ):
         self.model = model.eval()
         self.index = index
@@ -169,7 +171,7 @@ class Engine:
         self.precision = model.cfg.precision
         dtype = torch.float32 if self.precision == "fp32" else torch.bfloat16
         self.cache = KVCache(model.cfg, max_batch, self.device, dtype)
-        self.decoder = Decoder(model, self.cache)
+        self.decoder = Decoder(model, self.cache, threads=threads)
         self.speculate = (
             (DRAFT_TOKENS if self.decoder.fused else 0) if speculate is None else speculate
         )

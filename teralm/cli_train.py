@@ -188,7 +188,11 @@ def add_parsers(sub) -> None:
     _add_precision(v)
     _add_speculate(v)
     _add_knn(v)
-    v.add_argument("--threads", type=_positive(int), help="CPU threads (default: cores - 1)")
+    v.add_argument(
+        "--threads",
+        type=_positive(int),
+        help="CPU threads: torch's (default: cores - 1) and the fused decoder's (default: cores)",
+    )
 
     x = sub.add_parser("export-fp8", help="write a run's model with fp8 weights")
     x.add_argument("run", type=Path)
@@ -550,7 +554,7 @@ def _serve(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or inference_threads())
     ix.longest_match([[0]])  # compile and warm the query kernels before the first request
     engine = Engine(
-        model, ix, args.max_batch, args.speculate, prefix_cache=args.prefix_cache << 20, knn=knn
+        model, ix, args.max_batch, args.speculate, args.prefix_cache << 20, knn, args.threads
     )
     limits = Limits(
         max_prompt_tokens=args.max_prompt_tokens,
