@@ -263,35 +263,38 @@ def test_rms_norm_equals_pytorchs():
     assert torch.autograd.gradcheck(norm, (x,))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rotate", [True, False], ids=["qk-norm-rope", "rms-norm"])
-def test_fp32_cpu_kernels_equal_the_fp64_chain(rotate):
-    """fp32 on the CPU runs teralm.kernels.norm: values and gradients within fp32 rounding of
-    the fp64 reference, for a strided input (q of a fused qkv projection, as attention makes
-    it) and a strided incoming gradient."""
+def test_cpu_kernels_equal_the_fp64_chain(rotate, dtype):
+    """fp32 and bf16 on the CPU run teralm.kernels.norm: values and gradients within their
+    rounding of the fp64 reference on the same (rounded) inputs, for a strided input (q of a
+    fused qkv projection, as attention makes it) and a strided incoming gradient."""
     torch.manual_seed(2)
     B, H, T, D = 3, 4, 7, 16
-    qkv = torch.randn(B, T, 3 * H * D, dtype=torch.float64) * 3
+    qkv = (torch.randn(B, T, 3 * H * D, dtype=torch.float64) * 3).to(dtype).double()
     x64 = qkv.view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)[0].detach().requires_grad_()
-    w64 = (1 + 0.3 * torch.randn(D, dtype=torch.float64)).requires_grad_()
+    w64 = (1 + 0.3 * torch.randn(D, dtype=torch.float64)).float().double().requires_grad_()
     cos, sin = rope_tables(D, T, 10_000.0)
-    x32 = x64.detach().float().permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
-    x32.requires_grad_()
+    x = x64.detach().to(dtype).permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    x.requires_grad_()
     w32 = w64.detach().float().requires_grad_()
-    assert kernel_norm.fused(x32, cos) and not x32.is_contiguous()
+    assert kernel_norm.fused(x, cos) and not x.is_contiguous()
     if rotate:
-        got = NormRope.apply(x32, w32, cos, sin, 1e-6)
+        got = NormRope.apply(x, w32, cos, sin, 1e-6)
         want = norm_then_rope(x64, w64, cos.double(), sin.double(), 1e-6)
     else:
         norm = RMSNorm(D)
         norm.weight.data.copy_(w32)
         w32 = norm.weight
-        got, want = norm(x32), F.rms_norm(x64, (D,), w64, 1e-6)
-    grad = torch.randn(B, H, D, T, dtype=torch.float64).transpose(-1, -2)
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
-    got_grads = torch.autograd.grad(got, (x32, w32), grad.float())
+        got, want = norm(x), F.rms_norm(x64, (D,), w64, 1e-6)
+    assert got.dtype == dtype
+    grad = torch.randn(B, H, D, T, dtype=torch.float64).to(dtype).double().transpose(-1, -2)
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7  # two of bf16's steps
+    torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
+    got_grads = torch.autograd.grad(got, (x, w32), grad.to(dtype))
     want_grads = torch.autograd.grad(want, (x64, w64), grad)
     for g, r in zip(got_grads, want_grads):
-        torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(g.double(), r, rtol=10 * tolerance, atol=10 * tolerance)
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores to tell 1 thread from all")
