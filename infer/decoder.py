@@ -3,7 +3,6 @@ for small steps when it computes what the model does, else ``Transformer.decode`
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +14,7 @@ from numba.typed import List
 from threadpoolctl import threadpool_limits
 
 from teralm.infer.fp8 import Fp8Embedding, Fp8Linear
+from teralm.infer.precision import cores
 from teralm.kernels.decode import forward_rows
 from teralm.model import Transformer
 from teralm.model.kv_cache import KVCache
@@ -23,11 +23,6 @@ MAX_ROWS = 256  # past this many new tokens per call, the kernel's plain attenti
 PART_ROWS = 8  # the fewest rows worth a thread of their own
 ROW_POSITIONS = 96  # a row's matrix products cost about as much as attending to this many keys
 SHARE_STEP = 0.25  # how far one call's imbalance moves the calling thread's share
-
-
-def cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def fused_decode_fits(model: Transformer) -> bool:
