@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import http.client
 import json
 import os
 import re
@@ -34,6 +35,10 @@ class SourceError(Exception):
 
 ENWIK_URL = "http://mattmahoney.net/dc/{name}.zip"
 ENWIK_SIZES = {"enwik8": 100_000_000, "enwik9": 1_000_000_000}
+ENWIK_MD5 = {  # of the unzipped files, as the Large Text Compression Benchmark publishes them
+    "enwik8": "a1fa5ffddb56f4953e226637dabbb36a",
+    "enwik9": "e206c3450ac99950df65bf70ef61a12d",
+}
 TEXT_SUFFIXES = {
     ".txt",
     ".md",
@@ -377,40 +382,69 @@ def fetch_enwik(name: str, download: bool = True) -> Path:
     if not download:
         raise SourceError(f"{name} not found; download {url}, unzip it and put {name} at {target}")
     target.parent.mkdir(parents=True, exist_ok=True)
-    archive = target.with_suffix(".zip.part")
+    archive = target.with_suffix(".zip.part")  # kept when a download stops: the next resumes it
     try:
         _download(url, archive)
-    except (urllib.error.URLError, OSError) as e:
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
         reason = getattr(e, "reason", None) or e
         raise SourceError(
-            f"cannot download {url} ({reason}); download it by hand, unzip it and put "
-            f"{name} at {target} (or in the current folder), then run again"
+            f"cannot download {url} ({reason}); run again to resume, or download it by hand, "
+            f"unzip it and put {name} at {target} (or in the current folder)"
         ) from None
     tmp = target.with_suffix(".part")
     try:
-        with zipfile.ZipFile(archive) as z, z.open(name) as member, open(tmp, "wb") as out:
-            while chunk := member.read(ENWIK_CHUNK_BYTES):
-                out.write(chunk)
+        digest = _unzip(archive, name, tmp)
     except (zipfile.BadZipFile, KeyError) as e:
+        problem = f"{url} did not give the expected zip archive ({e})"
+        digest = None
+    else:
+        size = tmp.stat().st_size
+        problem = f"{url} unpacked to {size:,} bytes, expected {expected:,}"
+        if size == expected:
+            problem = f"{url} unpacked to a file of md5 {digest}, expected {ENWIK_MD5[name]}"
+    if digest != ENWIK_MD5[name]:
+        tmp.unlink(missing_ok=True)
         archive.unlink(missing_ok=True)
         raise SourceError(
-            f"{url} did not give the expected zip archive ({e}); try again, or "
-            f"download it by hand and put the unzipped {name} at {target}"
-        ) from None
-    if tmp.stat().st_size != expected:
-        raise SourceError(f"{url} unpacked to {tmp.stat().st_size:,} bytes, expected {expected:,}")
+            f"{problem}; try again, or download it by hand and put the unzipped {name} at {target}"
+        )
     os.replace(tmp, target)
     archive.unlink()
     return target
 
 
+def _unzip(archive: Path, name: str, out_path: Path) -> str:
+    """Unpack member ``name`` of ``archive`` to ``out_path`` in chunks; its md5."""
+    digest = hashlib.md5(usedforsecurity=False)
+    with zipfile.ZipFile(archive) as z, z.open(name) as member, open(out_path, "wb") as out:
+        while chunk := member.read(ENWIK_CHUNK_BYTES):
+            out.write(chunk)
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def _download(url: str, dest: Path) -> None:
-    with urllib.request.urlopen(url, timeout=30) as response:
-        total = int(response.headers.get("Content-Length") or 0) or None
+    """``url`` to ``dest`` with a progress bar, resuming after the bytes ``dest`` already has
+    where the server takes a range request (else from the start)."""
+    have = dest.stat().st_size if dest.exists() else 0
+    request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
+    try:
+        response = urllib.request.urlopen(request, timeout=30)
+    except urllib.error.HTTPError as e:
+        if e.code != 416 or not have:  # 416: nothing past what we have (a stale part file)
+            raise
+        dest.unlink()
+        return _download(url, dest)
+    with response:
+        if response.status != 206:  # the whole file
+            have = 0
+        left = int(response.headers.get("Content-Length") or 0) or None
+        total = None if left is None else have + left
+        name = url.rsplit("/", 1)[-1]
         with (
-            open(dest, "wb") as out,
+            open(dest, "ab" if have else "wb") as out,
             tqdm(
-                total=total, unit="B", unit_scale=True, desc=f"download {url.rsplit('/', 1)[-1]}"
+                total=total, initial=have, unit="B", unit_scale=True, desc=f"download {name}"
             ) as bar,
         ):
             while chunk := response.read(1 << 20):

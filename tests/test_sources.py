@@ -3,10 +3,13 @@ enwik zips extracted in chunks, and a child process's peak memory on a 185 MB fi
 
 from __future__ import annotations
 
+import hashlib
+import http.server
 import json
 import re
 import subprocess
 import sys
+import threading
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -179,7 +182,7 @@ def test_enwik_zip_is_downloaded_and_extracted_in_chunks(tmp_path, monkeypatch):
     with zipfile.ZipFile(served / "enwik8.zip", "w", zipfile.ZIP_DEFLATED) as z:
         z.writestr("enwik8", data)
     monkeypatch.setattr(sources, "ENWIK_URL", served.as_uri() + "/{name}.zip")
-    monkeypatch.setitem(sources.ENWIK_SIZES, "enwik8", len(data))
+    pretend_enwik8_is(data, monkeypatch)
     monkeypatch.setenv("TERALM_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
     reads = []
@@ -191,6 +194,83 @@ def test_enwik_zip_is_downloaded_and_extracted_in_chunks(tmp_path, monkeypatch):
     assert len(reads) > 2 and set(reads) == {500}
     assert list(source.documents()) == reference_split(data, "enwik8")
     assert sorted(p.name for p in source.path.parent.iterdir()) == ["enwik8"]
+
+
+def pretend_enwik8_is(data: bytes, monkeypatch) -> None:
+    monkeypatch.setitem(sources.ENWIK_SIZES, "enwik8", len(data))
+    monkeypatch.setitem(sources.ENWIK_MD5, "enwik8", hashlib.md5(data).hexdigest())
+
+
+class RangeServer(http.server.BaseHTTPRequestHandler):
+    """Serves ``body`` at any path, taking ``Range: bytes=N-``; the first response stops after
+    ``cut`` bytes (a dropped connection)."""
+
+    body, cut, ranges = b"", None, []
+
+    def do_GET(self):
+        start = int(self.headers.get("Range", "bytes=0-")[6:-1])
+        type(self).ranges.append(start)
+        self.send_response(206 if start else 200)
+        self.send_header("Content-Length", str(len(self.body) - start))
+        self.end_headers()
+        stop = len(self.body) if self.cut is None else self.cut
+        type(self).cut = None
+        self.wfile.write(self.body[start:stop])
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def zip_server(tmp_path, monkeypatch):
+    """A real HTTP server on 127.0.0.1 for enwik8.zip."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), RangeServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(sources, "ENWIK_URL", f"http://127.0.0.1:{server.server_port}/{{name}}.zip")
+    monkeypatch.setenv("TERALM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    RangeServer.ranges = []
+    yield RangeServer
+    server.shutdown()
+
+
+def zipped(data: bytes) -> bytes:
+    out = Path("served.zip")
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:  # stored: its bytes stay big
+        z.writestr("enwik8", data)
+    body = out.read_bytes()
+    out.unlink()
+    return body
+
+
+def test_a_dropped_enwik_download_resumes_where_it_stopped(tmp_path, zip_server, monkeypatch):
+    data = enwik_like(400)
+    pretend_enwik8_is(data, monkeypatch)
+    zip_server.body, zip_server.cut = zipped(data), 5000
+    with pytest.raises(SourceError, match="ended early.*run again to resume"):
+        resolve_source("enwik8")
+    part = tmp_path / "cache" / "enwik8.zip.part"
+    assert part.stat().st_size == 5000
+    source = resolve_source("enwik8")
+    assert zip_server.ranges == [0, 5000]  # the second request asked only for the rest
+    assert source.path.read_bytes() == data
+    assert sorted(p.name for p in source.path.parent.iterdir()) == ["enwik8"]
+
+
+def test_an_enwik_download_of_other_content_is_refused_and_removed(
+    tmp_path, zip_server, monkeypatch
+):
+    data = enwik_like(40)
+    pretend_enwik8_is(data, monkeypatch)
+    monkeypatch.setitem(sources.ENWIK_MD5, "enwik8", hashlib.md5(b"other").hexdigest())
+    zip_server.body = zipped(data)
+    with pytest.raises(SourceError, match="md5 .* expected"):
+        resolve_source("enwik8")
+    assert list((tmp_path / "cache").iterdir()) == []  # nothing half-made is left
+    zip_server.body = b"not a zip"
+    with pytest.raises(SourceError, match="expected zip archive"):
+        resolve_source("enwik8")
+    assert list((tmp_path / "cache").iterdir()) == []
 
 
 CHILD = """
