@@ -66,31 +66,34 @@ def report(corpus: str, results: dict) -> dict:
     precision = with_index["train"]["precision"]["precision"]
     print(f"\n{corpus}: {with_index['tokens']:,} held-out bytes; tiny preset, {precision}")
     print(table(rows, [("system", "system", "s"), ("bpb", "bpb", ".4f")]))
-    groups = [
-        {
-            "match": w["match"],
-            "share": 100 * w["share"],
-            "without": wo["model"],
-            "with": w["model"],
-            "with_alone": w["model_alone"],
-            "interpolated": wo["interpolated"],
-        }
-        for w, wo in zip(with_index["by_match"], without["by_match"], strict=True)
-    ]
-    print("by the stored match length of the context:")
-    print(
-        table(
-            groups,
-            [
-                ("match", "match", "s"),
-                ("share", "% tokens", ".1f"),
-                ("without", "without index", ".4f"),
-                ("with", "with index", ".4f"),
-                ("with_alone", "with, own head", ".4f"),
-                ("interpolated", "without + ∞-gram", ".4f"),
-            ],
+    breakdowns = {}
+    for name, label in (("by_match", "stored match length"), ("by_count", "∞-gram count")):
+        groups = [
+            {
+                "range": w["range"],
+                "share": 100 * w["share"],
+                "without": wo["model"],
+                "with": w["model"],
+                "with_alone": w["model_alone"],
+                "interpolated": wo["interpolated"],
+            }
+            for w, wo in zip(with_index[name], without[name], strict=True)
+        ]
+        breakdowns[name] = groups
+        print(f"by {label}:")
+        print(
+            table(
+                groups,
+                [
+                    ("range", label, "s"),
+                    ("share", "% tokens", ".1f"),
+                    ("without", "without index", ".4f"),
+                    ("with", "with index", ".4f"),
+                    ("with_alone", "with, own head", ".4f"),
+                    ("interpolated", "without + ∞-gram", ".4f"),
+                ],
+            )
         )
-    )
     ratios = {
         "with / without": with_index["model"] / without["model"],
         "with / best interpolation of the plain model": with_index["model"]
@@ -101,7 +104,7 @@ def report(corpus: str, results: dict) -> dict:
         f"best interpolation of the plain model: "
         f"{ratios['with / best interpolation of the plain model']:.3f} (target <= 0.97)"
     )
-    return {"rows": rows, "by_match": groups, "ratios": ratios, "runs": results}
+    return {"rows": rows, **breakdowns, "ratios": ratios, "runs": results}
 
 
 def main() -> None:

@@ -437,12 +437,16 @@ def _eval(args: argparse.Namespace) -> int:
             rows.append(("model alone + kNN", result["model_alone_knn"]))
     for label, value in rows:
         print(f"  {label:<40} {value:.4f}")
-    print(f"by the stored match length of the context: {served}, model alone, λ={result['lambda']}")
-    for group in result["by_match"]:
-        print(
-            f"  match {group['match']:>5} ({group['share']:6.1%} of tokens)  {group['model']:.4f}  "
-            f"{group['model_alone']:.4f}  {group['interpolated']:.4f}"
-        )
+    for name, label, what in (
+        ("by_match", "the stored match length of the context", "match"),
+        ("by_count", "the ∞-gram's count of occurrences", "count"),
+    ):
+        print(f"by {label}: {served}, model alone, λ={result['lambda']}")
+        for group in result[name]:
+            print(
+                f"  {what} {group['range']:>7} ({group['share']:6.1%} of tokens)  "
+                f"{group['model']:.4f}  {group['model_alone']:.4f}  {group['interpolated']:.4f}"
+            )
     return 0
 
 

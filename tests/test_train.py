@@ -228,33 +228,41 @@ def test_eval_json_and_fp8_export(corpus, tmp_path):
     assert abs(fp8["model"] - result["model"]) < 0.05 * result["model"]
 
 
-def test_eval_breaks_bits_per_byte_down_by_stored_match_length():
-    """``summarize``'s ``by_match``: each group's share of the tokens and its bpb for the model,
-    the model alone and the best interpolation, against per-token losses averaged by hand."""
+def test_eval_breaks_bits_per_byte_down_by_stored_match_length_and_infgram_count():
+    """``summarize``'s ``by_match`` and ``by_count``: each group's share of the tokens and its
+    bpb for the model, the model alone and the best interpolation, against per-token losses
+    averaged by hand."""
     from teralm.train.evaluate import Scores, summarize
 
     rng = np.random.default_rng(0)
-    n = 600
+    n = 900
     served, own = (np.log(rng.uniform(0.01, 1, n)) for _ in range(2))
-    total = rng.integers(0, 5, n)
-    hits = np.minimum(total, rng.integers(0, 5, n))
+    total = rng.choice([0, 1, 3, 4, 15, 16, 255, 256, 10_000], n)
+    hits = np.minimum(total, rng.integers(0, 20, n))
     match = rng.choice([0, 2, 3, 4, 15, 16, 90], n)
     result = summarize(Scores(served, own, total, hits, match), 256, byte_level=True)
     lam = result["lambda"]
     bits = lambda p: -np.log(p).mean() / np.log(2)  # noqa: E731
-    groups = [("0-3", 0, 3), ("4-15", 4, 15), ("16+", 16, np.inf)]
-    assert [g["match"] for g in result["by_match"]] == [name for name, _, _ in groups]
-    for group, (_, low, high) in zip(result["by_match"], groups):
-        at = (match >= low) & (match <= high)
-        mixed = np.where(
-            total[at] > 0,
-            lam * np.exp(served[at]) + (1 - lam) * hits[at] / np.maximum(total[at], 1),
-            np.exp(served[at]),
-        )
-        assert group["share"] == pytest.approx(at.mean())
-        assert group["model"] == pytest.approx(bits(np.exp(served[at])))
-        assert group["model_alone"] == pytest.approx(bits(np.exp(own[at])))
-        assert group["interpolated"] == pytest.approx(bits(mixed))
+    breakdowns = {
+        "by_match": (match, [("0-3", 0, 3), ("4-15", 4, 15), ("16+", 16, np.inf)]),
+        "by_count": (
+            total,
+            [("0-0", 0, 0), ("1-3", 1, 3), ("4-15", 4, 15), ("16-255", 16, 255), ("256+", 256, np.inf)],
+        ),
+    }  # fmt: skip
+    for name, (values, groups) in breakdowns.items():
+        assert [g["range"] for g in result[name]] == [label for label, _, _ in groups]
+        for group, (_, low, high) in zip(result[name], groups):
+            at = (values >= low) & (values <= high)
+            mixed = np.where(
+                total[at] > 0,
+                lam * np.exp(served[at]) + (1 - lam) * hits[at] / np.maximum(total[at], 1),
+                np.exp(served[at]),
+            )
+            assert group["share"] == pytest.approx(at.mean())
+            assert group["model"] == pytest.approx(bits(np.exp(served[at])))
+            assert group["model_alone"] == pytest.approx(bits(np.exp(own[at])))
+            assert group["interpolated"] == pytest.approx(bits(mixed))
 
 
 @pytest.mark.parametrize("background", [True, False])

@@ -27,6 +27,7 @@ from teralm.train.data import causal_infgram, fragment, held_out
 INFGRAM_EPSILON = 0.01  # the ∞-gram alone mixes in this much of the uniform distribution
 LAMBDAS = np.round(np.arange(0.05, 1.0, 0.05), 2)
 MATCH_GROUPS = ((0, 3), (4, 15), (16, None))  # stored match lengths, for the breakdown
+COUNT_GROUPS = ((0, 0), (1, 3), (4, 15), (16, 255), (256, None))  # ∞-gram counts, likewise
 
 
 @dataclass
@@ -156,7 +157,7 @@ def summarize(
     validation split) and at the oracle λ of these scores (the interpolation's best case; also
     the ``interpolated`` one when no ``lam`` is given); the same, but the ∞-gram, by the stored
     match length of the context (``by_match``: groups of ``MATCH_GROUPS``, with their share of
-    the tokens). With ``knn`` (a datastore's calibration, chosen on other text) and the scores'
+    the tokens) and by how many occurrences the ∞-gram counted (``by_count``: ``COUNT_GROUPS``). With ``knn`` (a datastore's calibration, chosen on other text) and the scores'
     neighbours, also each model mixed with the kNN distribution."""
     p_model = np.exp(scores.model_logp)
     seen = scores.total > 0
@@ -186,19 +187,23 @@ def summarize(
         "tokens": int(len(p_model)),
         "infgram_coverage": float(seen.mean()),
     }
-    result["by_match"] = []
-    for low, high in MATCH_GROUPS:
-        at = (scores.match_len >= low) & (scores.match_len <= (high or np.inf))
-        if at.any():
-            result["by_match"].append(
-                {
-                    "match": f"{low}-{high}" if high is not None else f"{low}+",
-                    "share": float(at.mean()),
-                    "model": metric(p_model[at]),
-                    "model_alone": metric(np.exp(scores.own_logp[at])),
-                    "interpolated": metric(mixes[best][at]),
-                }
-            )
+    for name, values, groups in (
+        ("by_match", scores.match_len, MATCH_GROUPS),
+        ("by_count", scores.total, COUNT_GROUPS),
+    ):
+        result[name] = []
+        for low, high in groups:
+            at = (values >= low) & (values <= (np.inf if high is None else high))
+            if at.any():
+                result[name].append(
+                    {
+                        "range": f"{low}+" if high is None else f"{low}-{high}",
+                        "share": float(at.mean()),
+                        "model": metric(p_model[at]),
+                        "model_alone": metric(np.exp(scores.own_logp[at])),
+                        "interpolated": metric(mixes[best][at]),
+                    }
+                )
     if knn is not None and scores.knn_distances is not None:
         for base, logp in (("model", scores.model_logp), ("model_alone", scores.own_logp)):
             p = knn_mixture(logp, scores.knn_distances, scores.knn_hits, **knn[base])
