@@ -396,13 +396,13 @@ def fetch_enwik(name: str, download: bool = True) -> Path:
         digest = _unzip(archive, name, tmp)
     except (zipfile.BadZipFile, KeyError) as e:
         problem = f"{url} did not give the expected zip archive ({e})"
-        digest = None
     else:
-        size = tmp.stat().st_size
-        problem = f"{url} unpacked to {size:,} bytes, expected {expected:,}"
-        if size == expected:
+        size, problem = tmp.stat().st_size, None
+        if size != expected:
+            problem = f"{url} unpacked to {size:,} bytes, expected {expected:,}"
+        elif digest != ENWIK_MD5[name]:
             problem = f"{url} unpacked to a file of md5 {digest}, expected {ENWIK_MD5[name]}"
-    if digest != ENWIK_MD5[name]:
+    if problem:
         tmp.unlink(missing_ok=True)
         archive.unlink(missing_ok=True)
         raise SourceError(

@@ -14,9 +14,9 @@ cosine and sine are ``cos[t, i]`` and ``sin[t, i]`` (teralm.model.transformer.No
 backward needs only ``x`` and ``scale``.
 
 numba has no bf16, so a bf16 tensor comes in as its 16-bit words (``_row``, ``_out`` and
-``_store`` pick the conversion, or none, when a kernel is compiled): a word shifted up 16 bits is the fp32 of the
-same value, and results are rounded to the nearest bf16 (ties to even) as PyTorch rounds.
-The arithmetic is fp32 either way, and the outputs take the input's dtype.
+``_store`` pick the conversion, or none, when a kernel is compiled): a word shifted up 16 bits
+is the fp32 of the same value, and results are rounded to the nearest bf16 (ties to even) as
+PyTorch rounds. The arithmetic is fp32 either way, and the outputs take the input's dtype.
 """
 
 from __future__ import annotations
