@@ -177,11 +177,13 @@ class QueryEngine:
         per_context = [ranges[a:b] for a, b in zip(range_offsets[:-1], range_offsets[1:])]
         return summary, per_context, offsets, rows
 
-    def causal_counts(self, contexts, limits, targets, exact_limit: int = EXACT_LIMIT):
-        """Per context, ``(length, total, hits)`` of the ∞-gram of position ``limits[c]`` seeing
-        only earlier text (``contexts[c]`` ends just before it; ``targets[c]`` is the token
-        there); see ``teralm.kernels.query.causal_counts``."""
-        flat, starts = _flatten(contexts)
+    def causal_counts(
+        self, text, begins, ends, limits, targets, exact_limit: int = EXACT_LIMIT
+    ) -> np.ndarray:
+        """Per context ``text[begins[c]:ends[c]]`` (contexts may overlap), ``(length, total,
+        hits)`` of the ∞-gram of position ``limits[c]`` seeing only earlier text (the context
+        ends just before it; ``targets[c]`` is the token there); see
+        ``teralm.kernels.query.causal_counts``."""
         return self._run(
             kq.causal_counts,
             self.corpus,
@@ -189,8 +191,9 @@ class QueryEngine:
             fmt.KEY_SAMPLE,
             self.doc_bits,
             self.separator,
-            flat,
-            starts,
+            np.asarray(text, dtype=np.int64),
+            np.asarray(begins, dtype=np.int64),
+            np.asarray(ends, dtype=np.int64),
             np.asarray(limits, dtype=np.int64),
             np.asarray(targets, dtype=np.int64),
             exact_limit,

@@ -262,7 +262,9 @@ def test_causal_counts_equal_brute_force(corpus):
             start -= 1
         contexts.append([int(v) for v in x[start:t]])
     targets = [int(x[t]) for t in limits]
-    got = ix.query.causal_counts(contexts, limits, targets)
+    ends = np.cumsum([len(c) for c in contexts])
+    text = [v for c in contexts for v in c]
+    got = ix.query.causal_counts(text, ends - [len(c) for c in contexts], ends, limits, targets)
     for (length, total, hits), context, limit, target in zip(got, contexts, limits, targets):
         want = (0, 0, 0)
         for size in range(len(context), 0, -1):
