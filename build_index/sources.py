@@ -367,7 +367,8 @@ def resolve_source(spec: str, text_field: str = "text", download: bool = True) -
 
 
 def fetch_enwik(name: str, download: bool = True) -> Path:
-    """Path of enwik8/enwik9: a local file of that name, the cache, or a fresh download."""
+    """Path of enwik8/enwik9: a local file of that name, the cache, or a fresh download; a file
+    found is checked against the published size and md5."""
     expected = ENWIK_SIZES[name]
     for candidate in (Path(name), cache_dir() / name):
         if candidate.is_file():
@@ -376,7 +377,14 @@ def fetch_enwik(name: str, download: bool = True) -> Path:
                     f"{candidate} has {candidate.stat().st_size:,} bytes, {name} has "
                     f"{expected:,}; delete it and run again to download it"
                 )
-            return candidate
+            digest = _file_md5(candidate, f"check {name}")
+            if digest != ENWIK_MD5[name]:
+                raise SourceError(
+                    f"{candidate} is not the published {name} (md5 {digest}, expected "
+                    f"{ENWIK_MD5[name]}); delete it and run again to download it, or index it "
+                    f"as plain text by its path ({candidate.resolve()})"
+                )
+            return candidate.resolve()
     target = cache_dir() / name
     url = ENWIK_URL.format(name=name)
     if not download:
@@ -411,6 +419,19 @@ def fetch_enwik(name: str, download: bool = True) -> Path:
     os.replace(tmp, target)
     archive.unlink()
     return target
+
+
+def _file_md5(path: Path, desc: str) -> str:
+    """The md5 of a file, read in chunks behind a progress bar."""
+    digest = hashlib.md5(usedforsecurity=False)
+    with (
+        open(path, "rb") as f,
+        tqdm(total=path.stat().st_size, unit="B", unit_scale=True, desc=desc, leave=False) as bar,
+    ):
+        while chunk := f.read(ENWIK_CHUNK_BYTES):
+            digest.update(chunk)
+            bar.update(len(chunk))
+    return digest.hexdigest()
 
 
 def _unzip(archive: Path, name: str, out_path: Path) -> str:

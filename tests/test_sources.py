@@ -196,6 +196,21 @@ def test_enwik_zip_is_downloaded_and_extracted_in_chunks(tmp_path, monkeypatch):
     assert sorted(p.name for p in source.path.parent.iterdir()) == ["enwik8"]
 
 
+def test_a_local_enwik_file_is_checked_against_the_published_md5(tmp_path, monkeypatch):
+    data = enwik_like(30)
+    pretend_enwik8_is(data, monkeypatch)
+    monkeypatch.setenv("TERALM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    local = tmp_path / "enwik8"
+    local.write_bytes(data)
+    assert resolve_source("enwik8").path == local
+    edited = data.replace(b"<title>", b"<TITLE>", 1)
+    local.write_bytes(edited)  # the same size, other bytes
+    with pytest.raises(SourceError, match="not the published enwik8 .md5 .*plain text"):
+        resolve_source("enwik8")
+    assert local.read_bytes() == edited  # refused, not touched
+
+
 def pretend_enwik8_is(data: bytes, monkeypatch) -> None:
     monkeypatch.setitem(sources.ENWIK_SIZES, "enwik8", len(data))
     monkeypatch.setitem(sources.ENWIK_MD5, "enwik8", hashlib.md5(data).hexdigest())
