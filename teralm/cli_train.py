@@ -126,7 +126,7 @@ def add_parsers(sub) -> None:
     k.add_argument("--out", type=Path, help="datastore folder (default: RUN/knn)")
     k.add_argument(
         "--factory",
-        help="faiss index factory string (default: Flat up to 2^18 keys, else IVF<√keys>,PQ<d/8>)",
+        help="faiss index factory string (default: Flat up to 2^18 keys, else OPQ<m>_<2m>,IVF<√keys>,PQ<m> with m = d/8)",
     )
     k.add_argument(
         "--shard-tokens", type=_positive(int), default=1 << 22, help="positions per shard (2^22)"

@@ -153,9 +153,21 @@ def test_a_resumed_auto_build_keeps_its_precision(trained, monkeypatch):
     assert again.manifest["precision"] == chosen and again.built_shards == 0
 
 
+def test_default_factory_is_a_reduced_rotation_then_ivf_pq_of_at_most_32_bytes():
+    faiss = import_faiss()
+    assert build.default_factory(build.FLAT_KEYS, 256) == "Flat"
+    for keys, dim, reduced in ((60_000_000, 256, 64), (2**20, 768, 64), (2**20, 32, 8)):
+        factory = build.default_factory(keys, dim)
+        index = faiss.index_factory(dim, factory)
+        ivf = faiss.extract_index_ivf(index)
+        assert index.d == dim and ivf.d == reduced and ivf.code_size == reduced // 2 <= 32
+        assert ivf.nlist == 1 << round(math.log2(math.sqrt(keys)))
+
+
 def test_killed_build_resumes_to_the_same_datastore(trained, monkeypatch):
+    """With a rotation in front of the lists (as the default has), which the merge keeps."""
     whole, resumed = trained["base"] / "whole", trained["base"] / "resumed"
-    factory = "IVF4,Flat"
+    factory = "OPQ4_8,IVF4,PQ4"
     build.build_knn(knn_config(trained, whole, factory=factory))
     calls, keys = [0], build.KeyWriter.keys
 
