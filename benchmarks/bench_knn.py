@@ -38,6 +38,7 @@ from teralm.build_index.knn import (
     KeyWriter,
     KnnBuildConfig,
     shard_documents,
+    training_documents,
     training_keys,
     training_size,
 )
@@ -48,7 +49,6 @@ from teralm.infer.load import load_model
 from teralm.infer.mixture import infgram_probs, knn_target_probs, next_token_logp
 from teralm.infer.precision import autocast
 from teralm.model.checkpoint import weights_sha256
-from teralm.train.data import held_out
 from teralm.train.evaluate import document_windows, held_out_documents
 
 WORK = CACHE / "knn"
@@ -170,6 +170,16 @@ def shard_zero_keys(model, ix: Index, holdout: int, shard_tokens: int, queries: 
     return keys, positions, probes
 
 
+def exact_neighbours(keys: np.ndarray, probes: np.ndarray):
+    """The 8 nearest ``keys`` of each probe by exhaustive search (faiss Flat): squared
+    distances, rows, and the search's seconds per probe."""
+    exact = import_faiss().IndexFlatL2(keys.shape[1])
+    exact.add(keys)
+    began = time.perf_counter()
+    flat_d, flat_i = exact.search(probes, 8)
+    return flat_d, flat_i, (time.perf_counter() - began) / len(probes)
+
+
 def recall(index, keys, positions, probes, flat_d, flat_i) -> dict:
     """Recall@8 (of the exact 8 nearest, how many ``index`` returns; one as near as the 8th
     counts) and 1-recall@8 of ``index`` holding ``keys`` under ids ``positions``, against the
@@ -192,11 +202,7 @@ def search_quality(model, ix: Index, store: KnnDatastore, queries: int) -> dict:
     keys, positions, probes = shard_zero_keys(
         model, ix, m["holdout_every"], m["shard_tokens"], queries
     )
-    exact = faiss.IndexFlatL2(keys.shape[1])
-    exact.add(keys)
-    began = time.perf_counter()
-    flat_d, flat_i = exact.search(probes, 8)
-    flat_s = (time.perf_counter() - began) / len(probes)
+    flat_d, flat_i, flat_s = exact_neighbours(keys, probes)
     shard = faiss.read_index(str(STORE / TRAINED))  # shard 0 again, from the trained index
     shard.add_with_ids(keys, positions)
     set_nprobe(shard, store.calibration["nprobe"])
@@ -221,11 +227,8 @@ def compare_factories(model, state: dict, ix: Index, factories: list[str], queri
     faiss = import_faiss()
     holdout = state["config"]["train"]["holdout_every"]
     keys, positions, probes = shard_zero_keys(model, ix, holdout, 1 << 22, queries)
-    exact = faiss.IndexFlatL2(keys.shape[1])
-    exact.add(keys)
-    flat_d, flat_i = exact.search(probes, 8)
-    train_docs = [d for d in range(ix.num_documents) if not held_out(d, holdout)]
-    num_keys = sum(int(ix.offsets[d + 1] - ix.offsets[d]) - 1 for d in train_docs)
+    flat_d, flat_i, _ = exact_neighbours(keys, probes)
+    train_docs, num_keys = training_documents(ix, holdout)
     writer = KeyWriter(model, ix, torch.device("cpu"), 16)
     windows = list(document_windows(ix, train_docs, model.cfg.max_seq_len))
     largest = max(training_size(f, num_keys) for f in factories)

@@ -147,6 +147,13 @@ class KeyWriter:
         return np.concatenate(keys), np.concatenate(positions)
 
 
+def training_documents(ix: Index, holdout_every: int) -> tuple[list[int], int]:
+    """The documents whose positions become keys, and the number of keys (every position of
+    a document but its last, which has no value)."""
+    docs = [d for d in range(ix.num_documents) if not held_out(d, holdout_every)]
+    return docs, sum(int(ix.offsets[d + 1] - ix.offsets[d]) - 1 for d in docs)
+
+
 def shard_documents(ix: Index, holdout_every: int, shard: int, shard_tokens: int) -> list[int]:
     """The training documents that start in the shard's positions."""
     starts = np.asarray(ix.offsets[:-1], dtype=np.int64)
@@ -224,8 +231,7 @@ def build_knn(config: KnnBuildConfig) -> KnnBuildResult:
     seq_len, dim = model.cfg.max_seq_len, model.cfg.d_model
     shards = -(-ix.num_tokens // config.shard_tokens)
     validation_windows(ix, holdout, seq_len, config.validation_tokens)  # before hours of work
-    train_docs = [d for d in range(ix.num_documents) if not held_out(d, holdout)]
-    num_keys = sum(int(ix.offsets[d + 1] - ix.offsets[d]) - 1 for d in train_docs)
+    train_docs, num_keys = training_documents(ix, holdout)
     settings = {
         "weights_sha256": checkpoint.weights_sha256(config.run),
         "index": index_identity(ix),
