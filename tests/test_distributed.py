@@ -106,7 +106,8 @@ def union_reference(ix, config: RunConfig, world: int) -> dict[str, torch.Tensor
     samplers = [
         FragmentSampler(
             ix, cfg.seq_len, cfg.batch_size // world, cfg.seed, cfg.holdout_every,
-            infgram=True, index_dropout=cfg.index_dropout, rank=r, world=world,
+            infgram=True, index_dropout=cfg.index_dropout,
+            dropout_features=cfg.dropout_features, rank=r, world=world,
         )
         for r in range(world)
     ]  # fmt: skip

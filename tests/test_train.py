@@ -16,6 +16,7 @@ import torch
 from conftest import build_docs, random_documents
 from test_features import doc_ids_of
 
+from teralm.kernels.fragment import doc_start_flags, fragment_features
 from teralm.train.data import FragmentSampler, prefetched, training_spans
 from teralm.train.evaluate import causal_infgram
 
@@ -70,7 +71,7 @@ def test_index_dropout_hides_features_of_whole_fragments(corpus):
     ix = corpus
     args = dict(seq_len=16, batch_size=8, seed=3, holdout_every=5, infgram=True)
     plain = FragmentSampler(ix, **args)
-    dropping = FragmentSampler(ix, index_dropout=0.5, **args)
+    dropping = FragmentSampler(ix, index_dropout=0.5, dropout_features="none", **args)
     dropped_rows = kept_rows = 0
     for step in range(10):
         a, b = plain.batch(step), dropping.batch(step)
@@ -86,8 +87,35 @@ def test_index_dropout_hides_features_of_whole_fragments(corpus):
     assert dropped_rows > 10 and kept_rows > 10
     assert (
         dropping.batch(4).match_len
-        == FragmentSampler(ix, index_dropout=0.5, **args).batch(4).match_len
+        == FragmentSampler(ix, index_dropout=0.5, dropout_features="none", **args)
+        .batch(4)
+        .match_len
     ).all()
+
+
+def test_index_dropout_shows_fragments_against_themselves(corpus):
+    """With ``dropout_features = "self"``, a dropped fragment's features and ∞-gram are those of
+    the fragment alone (document starts inside it included); the others keep the index's."""
+    ix = corpus
+    args = dict(seq_len=16, batch_size=8, seed=3, holdout_every=5, infgram=True)
+    plain, dropping = FragmentSampler(ix, **args), FragmentSampler(ix, index_dropout=0.5, **args)
+    x, offsets = ix.tokens(0, ix.num_tokens), np.asarray(ix.offsets)
+    dropped = kept = 0
+    for step in range(10):
+        a, b = plain.batch(step), dropping.batch(step)
+        for i, row in enumerate(b.tokens.numpy()):
+            text = np.append(row, b.targets[i, -1].item())
+            start = next(s for s in range(len(x)) if (x[s : s + 17] == text).all())
+            starts = doc_start_flags(offsets, start, start + 17)
+            alone = fragment_features(text.astype(np.int64), starts, ix.max_match, ix.no_token)
+            columns = ("next_token", "match_len", "infgram_total", "infgram_hits")
+            if all((getattr(a, name)[i] == getattr(b, name)[i]).all() for name in columns):
+                kept += 1
+            else:
+                for name, want in zip(columns, alone):
+                    np.testing.assert_array_equal(getattr(b, name)[i].numpy(), want)
+                dropped += 1
+    assert dropped > 10 and kept > 10
 
 
 def brute_causal(x, doc_ids, t, length):
@@ -197,11 +225,15 @@ def test_saved_configs_keep_the_settings_they_trained_with():
     from teralm.train.config import RunConfig, load_config
 
     saved = load_config("tiny", None).to_dict()
-    del saved["train"]["own_loss_weight"]  # a run saved before the setting existed
-    assert RunConfig.from_saved(saved).train.own_loss_weight == 0.0
-    assert RunConfig.from_dict(saved).train.own_loss_weight == 0.5
+    for name in ("own_loss_weight", "dropout_features"):
+        del saved["train"][name]  # a run saved before the setting existed
+    old, new = RunConfig.from_saved(saved).train, RunConfig.from_dict(saved).train
+    assert (old.own_loss_weight, old.dropout_features) == (0.0, "none")
+    assert (new.own_loss_weight, new.dropout_features) == (0.5, "self")
     with pytest.raises(ValueError, match="own_loss_weight"):
         RunConfig.from_dict({"train": {"own_loss_weight": -1.0}})
+    with pytest.raises(ValueError, match="dropout_features must be one of self, none"):
+        RunConfig.from_dict({"train": {"dropout_features": "all"}})
 
 
 def test_eval_json_and_fp8_export(corpus, tmp_path):

@@ -15,8 +15,9 @@ OPTIMIZERS = ("adamw", "galore", "galore8bit")  # see teralm.train.optim
 OFFLOADS = ("none", "optimizer", "optimizer+master")  # see teralm.train.offload
 MODES = ("sync", "diloco")  # data-parallel under torchrun, or teralm.train.diloco
 OUTER_COMPRESSIONS = ("none", "onebit", "demo")  # DiLoCo's pseudo-gradients, teralm.train.diloco
+DROPOUT_FEATURES = ("self", "none")  # index-dropout fragments' features, teralm.train.data
 # training settings added later, with the value that means "as runs trained before them"
-ADDED_SINCE = {"own_loss_weight": 0.0, "index_dropout": 0.0}
+ADDED_SINCE = {"own_loss_weight": 0.0, "index_dropout": 0.0, "dropout_features": "none"}
 
 
 @dataclass
@@ -29,7 +30,8 @@ class TrainConfig:
     ``own_loss_weight``: with an ∞-gram mixture, the loss adds this times the model's own
     (unmixed) loss, so the model stays a good predictor where the ∞-gram is weak or silent
     instead of learning only what the ∞-gram misses. ``index_dropout``: the fraction of
-    training fragments shown without index features or ∞-gram, as new text would be.
+    training fragments shown as new text would be: ``dropout_features = "self"``, with features
+    and ∞-gram made against the fragment's own earlier text alone; ``"none"``, with neither.
     ``batch_size`` is the global batch: with ``torchrun``, each of the W processes takes
     ``batch_size / W`` fragments. ``comm``: how the processes agree each step (see
     teralm.train.distributed); ``demo_*``: DeMo's chunk size, components kept per chunk and
@@ -64,6 +66,7 @@ class TrainConfig:
     holdout_every: int = 50
     own_loss_weight: float = 0.5
     index_dropout: float = 0.1
+    dropout_features: str = "self"
     comm: str = "allreduce"
     demo_chunk: int = 64
     demo_topk: int = 32
@@ -167,6 +170,8 @@ class TrainConfig:
             raise ValueError("own_loss_weight must be a finite number >= 0")
         if not 0 <= self.index_dropout <= 1:
             raise ValueError("index_dropout must be between 0 and 1")
+        if self.dropout_features not in DROPOUT_FEATURES:
+            raise ValueError(f"dropout_features must be one of {', '.join(DROPOUT_FEATURES)}")
 
 
 @dataclass

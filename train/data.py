@@ -18,6 +18,7 @@ import torch
 
 from teralm.index import Index
 from teralm.index.query import EXACT_LIMIT
+from teralm.kernels.fragment import doc_start_flags, fragment_features
 
 # Training's ∞-gram counts sample contexts past this many occurrences, where serving and
 # evaluation sample past EXACT_LIMIT: on pydocs a batch's counts cost a fifth less, and the
@@ -101,8 +102,10 @@ def causal_infgram(
 class FragmentSampler:
     """Deterministic random fragments of ``seq_len + 1`` tokens from the training spans.
 
-    A fraction ``index_dropout`` of the fragments, drawn per batch, come without index
-    features and without ∞-gram counts, as text the index has never seen would. Process
+    A fraction ``index_dropout`` of the fragments, drawn per batch, come as text the index has
+    never seen would: ``dropout_features = "self"``, with features and ∞-gram counts made
+    against the fragment's own earlier text alone (``teralm.kernels.fragment``); ``"none"``,
+    with none at all (as runs trained before the choice existed). Process
     ``rank`` of ``world`` draws its own ``batch_size`` fragments, determined by (seed, step,
     micro-batch, rank, world); one process draws as it always has, by (seed, step, micro).
     The fragments' ∞-gram counts are made in ``workers`` threads (the kernels release the GIL);
@@ -117,6 +120,7 @@ class FragmentSampler:
         holdout_every: int,
         infgram: bool = False,
         index_dropout: float = 0.0,
+        dropout_features: str = "self",
         rank: int = 0,
         world: int = 1,
         workers: int = 1,
@@ -124,6 +128,7 @@ class FragmentSampler:
         self.ix, self.seq_len, self.batch_size, self.seed = ix, seq_len, batch_size, seed
         self.key = [] if world == 1 else [rank, world]
         self.infgram, self.index_dropout = infgram, index_dropout
+        self.dropout_features = dropout_features
         self.pool = None
         if infgram and workers > 1:
             self.pool = ThreadPoolExecutor(workers, thread_name_prefix="teralm-infgram")
@@ -142,14 +147,35 @@ class FragmentSampler:
         """Training tokens the fragments are drawn from."""
         return int((self.spans[:, 1] - self.spans[:, 0]).sum())
 
-    def _counts(self, start: int, fragment_: tuple, drop: bool) -> tuple[np.ndarray, np.ndarray]:
-        """The causal ∞-gram counts of a fragment's targets; zeros when the batch takes none or
-        the fragment's index input is dropped."""
-        if drop or not self.infgram:
-            return (np.zeros(self.seq_len, np.int64),) * 2
-        return causal_infgram(
-            self.ix, int(start) + 1, self.seq_len, 0, fragment_[2], TRAIN_EXACT_LIMIT
+    def _dropped(self, start: int, fragment_: tuple) -> tuple[np.ndarray, ...]:
+        """A dropped fragment as new text: ``(next_token, match_len, total, hits)`` against
+        itself alone, or none at all."""
+        tokens, _, _, targets = fragment_
+        if self.dropout_features == "none":
+            none = np.zeros(self.seq_len, np.int64)
+            return np.full(self.seq_len, self.ix.no_token, np.int64), none, none, none
+        text = np.append(tokens, targets[-1])
+        starts = doc_start_flags(self.ix.offsets, start, start + len(text))
+        next_token, match_len, total, hits = fragment_features(
+            text, starts, self.ix.max_match, self.ix.no_token
         )
+        if not self.infgram:
+            total[:], hits[:] = 0, 0
+        return next_token, match_len, total, hits
+
+    def _features(self, start: int, fragment_: tuple, drop: bool) -> tuple[np.ndarray, ...]:
+        """A fragment's ``(next_token, match_len, total, hits)``: the stored features and the
+        causal ∞-gram counts of its targets (zeros when the batch takes none)."""
+        if drop:
+            return self._dropped(int(start), fragment_)
+        _, next_token, match_len, _ = fragment_
+        if not self.infgram:
+            none = np.zeros(self.seq_len, np.int64)
+            return next_token, match_len, none, none
+        total, hits = causal_infgram(
+            self.ix, int(start) + 1, self.seq_len, 0, match_len, TRAIN_EXACT_LIMIT
+        )
+        return next_token, match_len, total, hits
 
     def batch(self, step: int, micro: int = 0) -> Batch:
         """Micro-batch ``micro`` of step ``step``."""
@@ -161,14 +187,13 @@ class FragmentSampler:
         dropped = rng.random(self.batch_size) < self.index_dropout
         fragments = [fragment(self.ix, int(s), self.seq_len) for s in starts]
         pool_map = self.pool.map if self.pool else map
-        counts = pool_map(self._counts, starts, fragments, dropped)
-        parts = []
-        for (tokens, next_token, match_len, targets), (total, hits), drop in zip(
-            fragments, counts, dropped
-        ):
-            if drop:  # as if the text were new to the index: no match, no ∞-gram
-                next_token[:], match_len[:] = self.ix.no_token, 0
-            parts.append((tokens, next_token, match_len, targets, total, hits))
+        features = pool_map(self._features, starts, fragments, dropped)
+        parts = [
+            (tokens, next_token, match_len, targets, total, hits)
+            for (tokens, _, _, targets), (next_token, match_len, total, hits) in zip(
+                fragments, features
+            )
+        ]
         return Batch(*(torch.from_numpy(np.stack(column)) for column in zip(*parts)))
 
 

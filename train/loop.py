@@ -407,6 +407,7 @@ def _train(
         cfg.holdout_every,
         infgram=model.mixture_gate is not None,
         index_dropout=cfg.index_dropout if config.model.index_input else 0.0,
+        dropout_features=cfg.dropout_features,
         rank=part,
         world=parts,
         workers=torch.get_num_threads(),
