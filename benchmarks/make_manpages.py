@@ -94,19 +94,22 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     partial = args.out.with_name(args.out.name + ".partial")
     documents = text_bytes = 0
+    digest = hashlib.sha256()  # of the JSON lines, not of their gzip (which zlib's version sways)
     with gzip.GzipFile(partial, "wb", mtime=0) as out:
         for path, text in zip(pages, texts):
             if text is None:
                 continue
             record = {"id": documents, "path": str(path.relative_to(args.man)), "text": text}
-            out.write((json.dumps(record, ensure_ascii=False) + "\n").encode())
+            line = (json.dumps(record, ensure_ascii=False) + "\n").encode()
+            out.write(line)
+            digest.update(line)
             documents += 1
             text_bytes += len(text.encode())
     os.replace(partial, args.out)
-    digest = hashlib.sha256(args.out.read_bytes()).hexdigest()
     print(
         f"{args.out}: {documents:,} documents of {len(pages):,} pages, {text_bytes:,} bytes of "
-        f"text, {args.out.stat().st_size:,} bytes gzipped, sha256 {digest}"
+        f"text, {args.out.stat().st_size:,} bytes gzipped, sha256 of the JSON lines "
+        f"{digest.hexdigest()}"
     )
 
 
