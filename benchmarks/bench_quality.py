@@ -2,14 +2,16 @@
 
     pip install -e .
     python benchmarks/bench_quality.py [--corpus pydocs manpages] [--steps N]
-        [--max-tokens 100000] [--precision auto]
+        [--max-tokens 100000] [--precision auto] [--size tiny|4x]
 
 For each corpus (pydocs from the team's shared data; manpages, this machine's manual pages
 rendered by make_manpages.py), builds its byte index (documents with id % 50 == 0 are held out
 by the trainer), trains the ``tiny`` preset twice with equal steps and tokens (index input on,
 then off), and scores both on the held-out documents: the models, the ∞-gram alone and the
 interpolations, also by the stored match length of each context. Prints a table per corpus and
-writes benchmarks/results/bench_quality.json.
+writes benchmarks/results/bench_quality.json. ``--size 4x``: the scale check, a model about four
+times the tiny preset's parameters (7 layers of width 384: 12.7M parameters against 3.4M) trained
+for a quarter of its steps, so in about the same CPU time; writes bench_quality_4x.json.
 """
 
 from __future__ import annotations
@@ -17,12 +19,34 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+from pathlib import Path
 
 from common import CORPORA, corpus_index, quality_work, save, table, teralm_cli
 
+from teralm.train.config import PRESETS
 from teralm.train.report import read_metrics
 
 RUNS = {"with index": ("run-index", []), "without index": ("run-noindex", ["--no-index-input"])}
+# the scale check's model: about 4x the tiny preset's parameters, for a quarter of its steps
+SIZES = {"tiny": ({}, 1), "4x": ({"n_layer": 7, "d_model": 384, "n_head": 6}, 4)}
+
+
+def size_config(size: str, folder: Path, steps: int | None) -> list[str]:
+    """The ``teralm train`` arguments that pick the model size: the tiny preset, or a TOML file
+    (written in ``folder``) of the tiny preset with the larger model and fewer steps."""
+    model, fewer = SIZES[size]
+    if not model:
+        return ["--preset", "tiny", *(["--max-steps", steps] if steps else [])]
+    tiny = PRESETS["tiny"]
+    train = {**tiny["train"], "max_steps": steps or tiny["train"]["max_steps"] // fewer}
+    tables = {"model": {**tiny["model"], **model}, "train": train}
+    text = "".join(
+        f"[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items())
+        for name, values in tables.items()
+    )
+    path = folder / f"{size}.toml"
+    path.write_text(text)
+    return ["--config", path]
 
 
 def train_and_score(corpus: str, args: argparse.Namespace) -> dict:
@@ -30,12 +54,13 @@ def train_and_score(corpus: str, args: argparse.Namespace) -> dict:
     training time."""
     _, index = corpus_index(corpus)
     results = {}
+    work = quality_work(corpus)
+    shape = size_config(args.size, work, args.steps)
     for name, (folder, extra) in RUNS.items():
-        run = quality_work(corpus) / folder
+        run = work / (folder if args.size == "tiny" else f"{folder}-{args.size}")
         shutil.rmtree(run, ignore_errors=True)
-        steps = ["--max-steps", args.steps] if args.steps else []
-        cmd = ["train", "--index", index, "--out", run, "--preset", "tiny", "--quiet"]
-        print(teralm_cli(*cmd, "--precision", args.precision, *steps, *extra))
+        cmd = ["train", "--index", index, "--out", run, *shape, "--quiet"]
+        print(teralm_cli(*cmd, "--precision", args.precision, *extra))
         scored = teralm_cli(
             "eval", run, "--index", index, "--max-tokens", args.max_tokens, "--json", "--quiet"
         )
@@ -64,7 +89,12 @@ def report(corpus: str, results: dict) -> dict:
         },
     ]
     precision = with_index["train"]["precision"]["precision"]
-    print(f"\n{corpus}: {with_index['tokens']:,} held-out bytes; tiny preset, {precision}")
+    model = with_index["train"]["config"]["model"]
+    shape = f"{model['n_layer']} layers of {model['d_model']}"
+    steps = with_index["train"]["config"]["train"]["max_steps"]
+    print(
+        f"\n{corpus}: {with_index['tokens']:,} held-out bytes; {shape}, {steps} steps, {precision}"
+    )
     print(table(rows, [("system", "system", "s"), ("bpb", "bpb", ".4f")]))
     breakdowns = {}
     for name, label in (("by_match", "stored match length"), ("by_count", "∞-gram count")):
@@ -110,12 +140,14 @@ def report(corpus: str, results: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", nargs="+", choices=sorted(CORPORA), default=sorted(CORPORA))
-    parser.add_argument("--steps", type=int, default=None, help="default: the tiny preset's")
+    parser.add_argument("--steps", type=int, default=None, help="default: the size's")
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--max-tokens", type=int, default=100_000)
     parser.add_argument("--precision", default="auto")
     args = parser.parse_args()
     payload = {corpus: report(corpus, train_and_score(corpus, args)) for corpus in args.corpus}
-    print(f"wrote {save('bench_quality', payload)}")
+    name = "bench_quality" if args.size == "tiny" else f"bench_quality_{args.size}"
+    print(f"wrote {save(name, payload)}")
 
 
 if __name__ == "__main__":

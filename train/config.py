@@ -65,7 +65,7 @@ class TrainConfig:
     seed: int = 0
     holdout_every: int = 50
     own_loss_weight: float = 0.5
-    index_dropout: float = 0.1
+    index_dropout: float = 0.5
     dropout_features: str = "self"
     comm: str = "allreduce"
     demo_chunk: int = 64
