@@ -90,6 +90,21 @@ def records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def wait_for_records(run: Path, done, alive, what: str, stall_s: float = 120.0) -> list[dict]:
+    """Poll the run's metrics until ``done(records)``; fail as ``what`` when ``alive()`` turns
+    false or no new record has come for ``stall_s`` seconds (a stall, not a deadline: a busy
+    machine only takes longer)."""
+    seen, since = -1, time.monotonic()
+    while True:
+        rows = records(run) if (run / "metrics.jsonl").exists() else []
+        if done(rows):
+            return rows
+        if len(rows) != seen:
+            seen, since = len(rows), time.monotonic()
+        assert alive() and time.monotonic() - since < stall_s, what
+        time.sleep(0.05)
+
+
 def config_file(tmp_path: Path, name: str = "run.toml", **train) -> Path:
     text = CONFIG
     for key, value in train.items():
@@ -117,7 +132,8 @@ def averaging_reference(ix, config: RunConfig, workers: int) -> dict[str, torch.
         samplers.append(
             FragmentSampler(
                 ix, cfg.seq_len, cfg.batch_size // workers, cfg.seed, cfg.holdout_every,
-                infgram=True, index_dropout=cfg.index_dropout, rank=r, world=workers,
+                infgram=True, index_dropout=cfg.index_dropout,
+                dropout_features=cfg.dropout_features, rank=r, world=workers,
             )
         )  # fmt: skip
     shared = {k: v.detach().clone() for k, v in models[0].named_parameters()}
@@ -173,17 +189,17 @@ def test_a_killed_worker_leaves_the_others_training_and_rejoins_with_their_weigh
     run = tmp_path / "run"
     flags = ["--replicas", 3, "--inner-steps", 5]
     workers = [worker(corpus, config, run, lighthouse, k, *flags) for k in range(3)]
-    deadline = time.monotonic() + 120
-    while not ((run / "metrics.jsonl").exists() and len(records(run)) >= 12):
-        assert time.monotonic() < deadline and workers[2].poll() is None, "no rounds"
-        time.sleep(0.05)
+    wait_for_records(
+        run, lambda rows: len(rows) >= 12, lambda: workers[2].poll() is None, "no rounds"
+    )
     os.kill(workers[2].pid, signal.SIGKILL)
     workers[2].wait()
     killed_at = records(run)[-1]["step"]
     assert killed_at < 600, "the run finished before the kill"
-    while not any(r["workers"] == 2 for r in records(run)):
-        assert time.monotonic() < deadline, "the others stopped after the kill"
-        time.sleep(0.05)
+    wait_for_records(
+        run, lambda rows: any(r["workers"] == 2 for r in rows), lambda: True,
+        "the others stopped after the kill",
+    )  # fmt: skip
     workers[2] = worker(corpus, config, run, lighthouse, 2, *flags, "--resume")
     errors = finished(workers)
     assert len(digests(errors)) == 1, errors
@@ -313,10 +329,7 @@ def test_a_lighthouse_that_goes_away_ends_the_worker_with_a_clear_error(corpus, 
     config = config_file(tmp_path, max_steps=100000, log_every=5, checkpoint_every=100000)
     run = tmp_path / "run"
     alone = worker(corpus, config, run, url, 0, "--inner-steps", 5, "--outer-timeout", 5)
-    deadline = time.monotonic() + 60
-    while not (run / "metrics.jsonl").exists():
-        assert time.monotonic() < deadline and alone.poll() is None, "no round"
-        time.sleep(0.05)
+    wait_for_records(run, lambda rows: len(rows) > 0, lambda: alone.poll() is None, "no round")
     house.kill()
     house.wait()
     _, err = alone.communicate(timeout=60)
