@@ -30,6 +30,7 @@ from teralm.kernels.match import _doc_depth
 ORDER_OUT_OF_RANGE = "an order.positions entry lies outside the corpus"
 FOLLOW_OUT_OF_RANGE = "an order.follow entry lies outside the vocabulary"
 SEARCH_GROUP = 16  # searches run step by step together (see _global_searches)
+RESCAN_FACTOR = 64  # causal counts rescan up to this many times their exact limit (causal_counts)
 LITTLE_ENDIAN = sys.byteorder == "little"  # order.positions holds little-endian words
 
 
@@ -574,6 +575,22 @@ def _earlier_followers(corpus, lo, hi, stride, limit, target, separator):
     return total, hits
 
 
+@njit(cache=True)
+def _sampled_followers(corpus, found, count, stride, limit, target, separator):
+    """``_earlier_followers`` over the rank ranges ``found[:count]`` taken as one list of which
+    every ``stride``-th counts ``stride`` times: ``(total, hits)``."""
+    total, hits, passed = 0, 0, 0
+    for r in range(count):
+        lo, hi = found[r, 0], found[r, 1]
+        t, h = _earlier_followers(
+            corpus, lo + (-passed) % stride, hi, stride, limit, target, separator
+        )
+        total += stride * t
+        hits += stride * h
+        passed += hi - lo
+    return total, hits
+
+
 @njit(cache=True, nogil=True)
 def causal_counts(
     corpus,
@@ -595,7 +612,9 @@ def causal_counts(
 
     Returns ``(length, total, hits)`` per context; ``length`` backs off while no such occurrence
     exists (0: none at all, then ``total`` is 0). Exact up to ``exact_limit`` occurrences of a
-    suffix, else every stride-th occurrence counts ``stride`` times.
+    suffix, else every stride-th occurrence counts ``stride`` times; where none of those lies
+    before the limit, all of them are scanned (if at most ``RESCAN_FACTOR * exact_limit``), so a
+    suffix seen before is counted as seen.
     """
     n_total = _size(corpus)
     contexts = len(ends)
@@ -629,15 +648,15 @@ def causal_counts(
             for r in range(count):
                 occurrences += found[r, 1] - found[r, 0]
             stride = max(1, (occurrences + exact_limit - 1) // exact_limit)
-            total, hits, passed = 0, 0, 0
-            for r in range(count):
-                lo, hi = found[r, 0], found[r, 1]
-                t, h = _earlier_followers(
-                    corpus, lo + (-passed) % stride, hi, stride, limits[c], targets[c], separator
+            total, hits = _sampled_followers(
+                corpus, found, count, stride, limits[c], targets[c], separator
+            )
+            if total == 0 and stride > 1 and occurrences <= RESCAN_FACTOR * exact_limit:
+                # no sampled occurrence lies before the limit, as near the corpus start where
+                # nearly all of them come later: count exactly, not call a seen context unseen
+                total, hits = _sampled_followers(
+                    corpus, found, count, 1, limits[c], targets[c], separator
                 )
-                total += stride * t
-                hits += stride * h
-                passed += hi - lo
             if total > 0:
                 out[c, 0], out[c, 1], out[c, 2] = length, total, hits
                 break

@@ -301,3 +301,39 @@ def test_earlier_followers_scan_equals_numpy_at_both_order_widths(corpus):
         for table in (corpus4, corpus5):
             got = kq._earlier_followers(table, lo, hi, stride, limit, target, separator)
             assert tuple(got) == want, (lo, hi, stride, limit, target)
+
+
+def test_sampled_causal_counts_never_call_a_context_seen_before_unseen(corpus):
+    """Near the corpus start nearly every occurrence of a short context comes after the
+    position, so a sample of them can miss the few before it: those are then counted exactly
+    (the context was seen, and the ∞-gram says so); elsewhere the sample's count stands."""
+    ix, _ = corpus
+    x, doc_ids = ix.tokens(0, ix.num_tokens), doc_ids_of(ix)
+    limits = [t for t in range(2, min(120, ix.num_tokens)) if doc_ids[t - 1] == doc_ids[t - 2]]
+    contexts = [[int(x[t - 2]), int(x[t - 1])] for t in limits]
+    exact_limit = max(len(occurrences(x, doc_ids, c[1:])) for c in contexts) // 32 + 1
+    text = [v for c in contexts for v in c]
+    ends = np.arange(2, 2 * len(contexts) + 1, 2)
+    targets = [int(x[t]) for t in limits]
+    got = ix.query.causal_counts(text, ends - 2, ends, limits, targets, exact_limit)
+    rescanned = 0
+    for (length, total, hits), context, limit, target in zip(got, contexts, limits, targets):
+        for size in (2, 1):
+            seen = [
+                p
+                for p in occurrences(x, doc_ids, context[2 - size :])
+                if p + 1 < limit and has_follower(doc_ids, p)
+            ]
+            if seen:
+                break
+        assert (length > 0) == bool(seen), (context, limit)
+        if not seen:
+            continue
+        assert length == size
+        exact = (len(seen), sum(int(x[p + 1]) == target for p in seen))
+        stride = -(-len(occurrences(x, doc_ids, context[2 - size :])) // exact_limit)
+        if (total, hits) == exact:
+            rescanned += stride > 1 and total % stride != 0
+        else:
+            assert total % stride == 0 and hits % stride == 0, (context, limit)
+    assert rescanned > 0
