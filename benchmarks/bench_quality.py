@@ -2,7 +2,7 @@
 
     pip install -e .
     python benchmarks/bench_quality.py [--corpus pydocs manpages] [--steps N]
-        [--max-tokens 100000] [--precision auto] [--size tiny|4x]
+        [--max-tokens 100000] [--precision auto] [--size tiny|4x] [--set KEY=VALUE ...]
 
 For each corpus (pydocs from the team's shared data; manpages, this machine's manual pages
 rendered by make_manpages.py), builds its byte index (documents with id % 50 == 0 are held out
@@ -12,6 +12,7 @@ interpolations, also by the stored match length of each context. Prints a table 
 writes benchmarks/results/bench_quality.json. ``--size 4x``: the scale check, a model about four
 times the tiny preset's parameters (7 layers of width 384: 12.7M parameters against 3.4M) trained
 for a quarter of its steps, so in about the same CPU time; writes bench_quality_4x.json.
+``--set index_dropout=0.3``: a training setting other than the preset's, for an A/B.
 """
 
 from __future__ import annotations
@@ -31,14 +32,15 @@ RUNS = {"with index": ("run-index", []), "without index": ("run-noindex", ["--no
 SIZES = {"tiny": ({}, 1), "4x": ({"n_layer": 7, "d_model": 384, "n_head": 6}, 4)}
 
 
-def size_config(size: str, folder: Path, steps: int | None) -> list[str]:
-    """The ``teralm train`` arguments that pick the model size: the tiny preset, or a TOML file
-    (written in ``folder``) of the tiny preset with the larger model and fewer steps."""
+def train_args(size: str, settings: dict, folder: Path, steps: int | None) -> list[str]:
+    """The ``teralm train`` arguments for a model size and training ``settings``: the tiny
+    preset, or a TOML file (written in ``folder``) of the tiny preset with the larger model and
+    fewer steps, and the settings."""
     model, fewer = SIZES[size]
-    if not model:
+    if not model and not settings:
         return ["--preset", "tiny", *(["--max-steps", steps] if steps else [])]
     tiny = PRESETS["tiny"]
-    train = {**tiny["train"], "max_steps": steps or tiny["train"]["max_steps"] // fewer}
+    train = {**tiny["train"], "max_steps": steps or tiny["train"]["max_steps"] // fewer, **settings}
     tables = {"model": {**tiny["model"], **model}, "train": train}
     text = "".join(
         f"[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items())
@@ -49,13 +51,24 @@ def size_config(size: str, folder: Path, steps: int | None) -> list[str]:
     return ["--config", path]
 
 
+def setting(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` of ``--set``: the value as JSON (a number, true, false), else a string."""
+    key, equals, value = text.partition("=")
+    if not key or not equals:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, e.g. index_dropout=0.3")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def train_and_score(corpus: str, args: argparse.Namespace) -> dict:
     """Both runs of one corpus, trained and scored: ``eval --json`` with the run's config and
     training time."""
     _, index = corpus_index(corpus)
     results = {}
     work = quality_work(corpus)
-    shape = size_config(args.size, work, args.steps)
+    shape = train_args(args.size, dict(args.set), work, args.steps)
     for name, (folder, extra) in RUNS.items():
         run = work / (folder if args.size == "tiny" else f"{folder}-{args.size}")
         shutil.rmtree(run, ignore_errors=True)
@@ -142,6 +155,10 @@ def main() -> None:
     parser.add_argument("--corpus", nargs="+", choices=sorted(CORPORA), default=sorted(CORPORA))
     parser.add_argument("--steps", type=int, default=None, help="default: the size's")
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument(
+        "--set", type=setting, action="append", default=[], metavar="KEY=VALUE",
+        help="a [train] setting for both runs, e.g. index_dropout=0.3 (repeatable)",
+    )  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=100_000)
     parser.add_argument("--precision", default="auto")
     args = parser.parse_args()
