@@ -13,23 +13,30 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from teralm.kernels.match import _is_doc_start
+
 
 @njit(cache=True, nogil=True)
-def fragment_features(tokens, doc_start, cap, no_token):
-    """Per input position ``i < n`` of ``tokens[0..n]`` (predicting ``tokens[i + 1]``):
+def fragment_features(tokens, doc_bits, start, cap, no_token, counts=True):
+    """Per input position ``i < n`` of ``tokens[0..n]`` (predicting ``tokens[i + 1]``), where
+    ``tokens[j]`` is corpus position ``start + j`` and ``doc_bits`` the corpus's document-start
+    bitmap (``teralm.kernels.match.doc_start_bits``):
 
     - ``match_len[i]``: the longest suffix of ``tokens[:i + 1]`` (at most ``cap`` tokens, not
-      reaching back across a document start, where ``doc_start[j]`` marks position ``j``) that
-      also ends at some ``s < i``;
+      reaching back across a document start) that also ends at some ``s < i``;
     - ``next_token[i]``: the token after the smallest such ``s`` that has one in its document
       (``no_token`` when none has);
     - ``total[i]``, ``hits[i]``: the ∞-gram of target ``i + 1``: occurrences of that suffix,
       backed off while none has a follower, ending at ``s < i`` with a follower in their document,
-      and how many followers equal ``tokens[i + 1]`` (0, 0 when no token repeats).
+      and how many followers equal ``tokens[i + 1]`` (0, 0 when no token repeats, or when
+      ``counts`` is false).
 
     Returns ``(next_token, match_len, total, hits)``, int64 arrays of length n.
     """
     n = len(tokens) - 1
+    doc_start = np.zeros(n + 1, dtype=np.bool_)
+    for j in range(n + 1):
+        doc_start[j] = _is_doc_start(doc_bits, start + j)
     next_token = np.full(n, no_token, dtype=np.int64)
     match_len = np.zeros(n, dtype=np.int64)
     total = np.zeros(n, dtype=np.int64)
@@ -57,19 +64,10 @@ def fragment_features(tokens, doc_start, cap, no_token):
         if first >= 0:
             next_token[i] = tokens[first + 1]
         m = min(best, best_followed)
-        if m == 0:
+        if m == 0 or not counts:
             continue
         for s in range(i):
             if common[s] >= m and not doc_start[s + 1]:
                 total[i] += 1
                 hits[i] += tokens[s + 1] == tokens[i + 1]
     return next_token, match_len, total, hits
-
-
-def doc_start_flags(offsets: np.ndarray, start: int, stop: int) -> np.ndarray:
-    """``flags[j]``: a document starts at position ``start + j`` (``offsets``: the sorted
-    document starts), for ``start + j < stop``."""
-    lo, hi = np.searchsorted(offsets, [start, stop])
-    flags = np.zeros(stop - start, dtype=np.bool_)
-    flags[np.asarray(offsets[lo:hi], dtype=np.int64) - start] = True
-    return flags

@@ -16,7 +16,8 @@ import torch
 from conftest import build_docs, random_documents
 from test_features import doc_ids_of
 
-from teralm.kernels.fragment import doc_start_flags, fragment_features
+from teralm.kernels.fragment import fragment_features
+from teralm.kernels.match import doc_start_bits
 from teralm.train.data import FragmentSampler, prefetched, training_spans
 from teralm.train.evaluate import causal_infgram
 
@@ -99,15 +100,15 @@ def test_index_dropout_shows_fragments_against_themselves(corpus):
     ix = corpus
     args = dict(seq_len=16, batch_size=8, seed=3, holdout_every=5, infgram=True)
     plain, dropping = FragmentSampler(ix, **args), FragmentSampler(ix, index_dropout=0.5, **args)
-    x, offsets = ix.tokens(0, ix.num_tokens), np.asarray(ix.offsets)
+    x = ix.tokens(0, ix.num_tokens)
+    bits = doc_start_bits(np.asarray(ix.offsets), ix.num_tokens)
     dropped = kept = 0
     for step in range(10):
         a, b = plain.batch(step), dropping.batch(step)
         for i, row in enumerate(b.tokens.numpy()):
             text = np.append(row, b.targets[i, -1].item())
             start = next(s for s in range(len(x)) if (x[s : s + 17] == text).all())
-            starts = doc_start_flags(offsets, start, start + 17)
-            alone = fragment_features(text.astype(np.int64), starts, ix.max_match, ix.no_token)
+            alone = fragment_features(text.astype(np.int64), bits, start, ix.max_match, ix.no_token)
             columns = ("next_token", "match_len", "infgram_total", "infgram_hits")
             if all((getattr(a, name)[i] == getattr(b, name)[i]).all() for name in columns):
                 kept += 1

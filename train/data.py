@@ -18,7 +18,7 @@ import torch
 
 from teralm.index import Index
 from teralm.index.query import EXACT_LIMIT
-from teralm.kernels.fragment import doc_start_flags, fragment_features
+from teralm.kernels.fragment import fragment_features
 
 # Training's ∞-gram counts sample contexts past this many occurrences, where serving and
 # evaluation sample past EXACT_LIMIT: on pydocs a batch's counts cost a fifth less, and the
@@ -129,6 +129,8 @@ class FragmentSampler:
         self.key = [] if world == 1 else [rank, world]
         self.infgram, self.index_dropout = infgram, index_dropout
         self.dropout_features = dropout_features
+        self_features = index_dropout > 0 and dropout_features == "self"
+        self.doc_bits = ix.query.doc_bits if self_features else None
         self.pool = None
         if infgram and workers > 1:
             self.pool = ThreadPoolExecutor(workers, thread_name_prefix="teralm-infgram")
@@ -147,34 +149,26 @@ class FragmentSampler:
         """Training tokens the fragments are drawn from."""
         return int((self.spans[:, 1] - self.spans[:, 0]).sum())
 
-    def _dropped(self, start: int, fragment_: tuple) -> tuple[np.ndarray, ...]:
-        """A dropped fragment as new text: ``(next_token, match_len, total, hits)`` against
-        itself alone, or none at all."""
-        tokens, _, _, targets = fragment_
-        if self.dropout_features == "none":
-            none = np.zeros(self.seq_len, np.int64)
-            return np.full(self.seq_len, self.ix.no_token, np.int64), none, none, none
-        text = np.append(tokens, targets[-1])
-        starts = doc_start_flags(self.ix.offsets, start, start + len(text))
-        next_token, match_len, total, hits = fragment_features(
-            text, starts, self.ix.max_match, self.ix.no_token
-        )
-        if not self.infgram:
-            total[:], hits[:] = 0, 0
-        return next_token, match_len, total, hits
-
-    def _features(self, start: int, fragment_: tuple, drop: bool) -> tuple[np.ndarray, ...]:
-        """A fragment's ``(next_token, match_len, total, hits)``: the stored features and the
-        causal ∞-gram counts of its targets (zeros when the batch takes none)."""
+    def _features(self, start: int, text: np.ndarray, drop: bool) -> tuple[np.ndarray, ...]:
+        """``(next_token, match_len, total, hits)`` of the fragment ``text`` at ``start``: the
+        stored features and the causal ∞-gram counts of its targets, or for a dropped fragment
+        those against itself alone (or none); counts are zeros when the batch takes none."""
+        n, ix = self.seq_len, self.ix
+        if drop and self.dropout_features == "self":
+            return fragment_features(
+                text, self.doc_bits, start, ix.max_match, ix.no_token, self.infgram
+            )
         if drop:
-            return self._dropped(int(start), fragment_)
-        _, next_token, match_len, _ = fragment_
-        if not self.infgram:
-            none = np.zeros(self.seq_len, np.int64)
-            return next_token, match_len, none, none
-        total, hits = causal_infgram(
-            self.ix, int(start) + 1, self.seq_len, 0, match_len, TRAIN_EXACT_LIMIT
-        )
+            next_token, match_len = np.full(n, ix.no_token, np.int64), np.zeros(n, np.int64)
+        else:
+            stored = ix.features(start, start + n)
+            next_token, match_len = (
+                stored.next_token.astype(np.int64),
+                stored.match_len.astype(np.int64),
+            )
+        if not self.infgram or drop:
+            return next_token, match_len, np.zeros(n, np.int64), np.zeros(n, np.int64)
+        total, hits = causal_infgram(ix, start + 1, n, 0, match_len, TRAIN_EXACT_LIMIT)
         return next_token, match_len, total, hits
 
     def batch(self, step: int, micro: int = 0) -> Batch:
@@ -183,16 +177,14 @@ class FragmentSampler:
         picks = rng.integers(0, int(self.cumulative[-1]), size=self.batch_size)
         span = np.searchsorted(self.cumulative, picks, side="right")
         before = np.where(span > 0, self.cumulative[np.maximum(span - 1, 0)], 0)
-        starts = self.spans[span, 0] + (picks - before)
+        starts = [int(s) for s in self.spans[span, 0] + (picks - before)]
         dropped = rng.random(self.batch_size) < self.index_dropout
-        fragments = [fragment(self.ix, int(s), self.seq_len) for s in starts]
+        texts = [self.ix.tokens(s, s + self.seq_len + 1).astype(np.int64) for s in starts]
         pool_map = self.pool.map if self.pool else map
-        features = pool_map(self._features, starts, fragments, dropped)
+        features = pool_map(self._features, starts, texts, dropped)
         parts = [
-            (tokens, next_token, match_len, targets, total, hits)
-            for (tokens, _, _, targets), (next_token, match_len, total, hits) in zip(
-                fragments, features
-            )
+            (text[:-1], next_token, match_len, text[1:], total, hits)
+            for text, (next_token, match_len, total, hits) in zip(texts, features)
         ]
         return Batch(*(torch.from_numpy(np.stack(column)) for column in zip(*parts)))
 
