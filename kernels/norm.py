@@ -50,8 +50,9 @@ def _row_words(src, start, bits, values):
     if src.dtype == types.uint16:  # bf16 words
 
         def convert(src, start, bits, values):
+            words = src[start : start + bits.shape[0]]  # indexed from 0: no wraparound checks
             for d in range(bits.shape[0]):
-                bits[d] = np.uint32(src[start + d]) << np.uint32(16)
+                bits[d] = np.uint32(words[d]) << np.uint32(16)
             return values
 
         return convert
@@ -70,9 +71,10 @@ def _store_words(dst, start, bits):
     if dst.dtype == types.uint16:
 
         def store(dst, start, bits):
+            words = dst[start : start + bits.shape[0]]
             for d in range(bits.shape[0]):
                 b = bits[d]  # rounded to nearest, ties to even (inputs here are finite)
-                dst[start + d] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))  # fmt: skip
+                words[d] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))  # fmt: skip
 
         return store
     return lambda dst, start, bits: None  # computed in place
