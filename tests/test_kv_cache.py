@@ -149,6 +149,19 @@ def test_fused_decoder_hands_large_calls_to_the_model():
     torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("rows", [40, 100, MAX_ROWS], ids=lambda n: f"{n}-rows")
+def test_fused_prompts_of_every_product_order_match_the_model(rows):
+    """Prompts whose products BLAS takes with the weight as the left operand (all matrices, or
+    only those with more inputs than outputs) or the right one, against the full forward."""
+    config = ModelConfig(**{**CONFIG.to_dict(), "max_seq_len": MAX_ROWS})
+    model = random_model(config)
+    cache = KVCache(config, slots=1, device=torch.device("cpu"), dtype=torch.float32)
+    text = Text(np.random.default_rng(rows), rows)
+    logits, _, _ = Decoder(model, cache, fused=True).decode(*text.lists(0), [rows])
+    torch.testing.assert_close(logits, full_forward(model, text)[0], atol=1e-4, rtol=1e-4)
+
+
 def test_kernel_length_buckets_are_the_models():
     lengths = np.arange(0, 1 << 16)
     want = length_bucket(torch.from_numpy(lengths)).numpy()
