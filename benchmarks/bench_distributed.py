@@ -182,7 +182,7 @@ def part_two(index: Path, steps: int) -> tuple[list[dict], bool]:
                 cmd = [
                     "ip", "netns", "exec", name, *torchrun(2, 1, HOME[2], port, rank),
                     *train_args(index, out, steps, comm, "--config", config,
-                                "--powersgd-warmup", 2, "--onebit-warmup", 0),
+                                "--powersgd-warmup", 2, "--onebit-warmup", 2),
                 ]  # fmt: skip
                 procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                               stderr=subprocess.STDOUT, text=True))  # fmt: skip
@@ -191,7 +191,7 @@ def part_two(index: Path, steps: int) -> tuple[list[dict], bool]:
                 sys.exit(f"link run {comm} failed:\n" + "\n".join(o[-2000:] for o in outputs))
         shutil.rmtree(WORK / f"link-{comm}-peer", ignore_errors=True)
         records = read_metrics(run)
-        timed = records[2:]  # past start-up and PowerSGD's 2 warm-up steps
+        timed = records[2:]  # past start-up and the 2 warm-up steps of PowerSGD and 1-bit Adam
         per_step = (timed[-1]["elapsed_s"] - records[1]["elapsed_s"]) / len(timed)
         rows.append(
             {

@@ -11,7 +11,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from teralm.model.config import AUTO, PRECISIONS
-from teralm.train.config import COMMS, MODES, OFFLOADS, OPTIMIZERS, OUTER_COMPRESSIONS, PRESETS
+from teralm.train.config import (
+    COMMS,
+    MODES,
+    OFFLOADS,
+    ONEBIT_TARGETS,
+    OPTIMIZERS,
+    OUTER_COMPRESSIONS,
+    PRESETS,
+)
 
 
 def add_parsers(sub) -> None:
@@ -38,6 +46,10 @@ def add_parsers(sub) -> None:
     t.add_argument("--demo-beta", type=float, help="DeMo: momentum (0.999)")
     t.add_argument("--onebit-warmup", type=int, help="1-bit: steps of plain all-reduce first (50)")
     t.add_argument("--onebit-block", type=int, help="1-bit: values sharing one scale (256)")
+    t.add_argument(
+        "--onebit-target", choices=ONEBIT_TARGETS,
+        help="1-bit: what the messages carry (momentum: AdamW's, 1-bit Adam's way)",
+    )  # fmt: skip
     t.add_argument("--optimizer", choices=OPTIMIZERS, help="adamw, or GaLore's (adamw)")
     t.add_argument(
         "--galore-rank", type=float, help="GaLore: rank, or a fraction of the width (0.25)"
@@ -347,7 +359,8 @@ def _lighthouse(args: argparse.Namespace) -> int:
 TRAIN_FLAGS = (
     "max_steps", "max_minutes", "checkpoint_every", "seed", "batch_size", "lr", "optimizer",
     "galore_rank", "galore_gap", "galore_scale", "offload", "per_layer_update", "comm",
-    "demo_chunk", "demo_topk", "demo_beta", "onebit_warmup", "onebit_block", "powersgd_rank",
+    "demo_chunk", "demo_topk", "demo_beta", "onebit_warmup", "onebit_block", "onebit_target",
+    "powersgd_rank",
     "powersgd_warmup", "mode", "replicas", "inner_steps", "outer_lr", "outer_momentum",
     "outer_compress", "outer_async", "min_replicas",
 )  # fmt: skip

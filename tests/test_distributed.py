@@ -38,9 +38,9 @@ from teralm.train.compression import (
 )
 from teralm.train.config import RunConfig
 from teralm.train.data import FragmentSampler
-from teralm.train.distributed import OneBit, World
+from teralm.train.distributed import OneBit, OneBitMean, Traffic, World
 from teralm.train.loop import learning_rate
-from teralm.train.optim import DeMo, make_optimizer
+from teralm.train.optim import DeMo, OneBitAdam, make_optimizer
 
 CONFIG = """
 [model]
@@ -276,13 +276,54 @@ def test_one_bit_error_feedback_carries_what_was_not_sent():
     p.grad = g1.clone()
     exchange.exchange([p])
     first = unpack_signs(*pack_signs(g1, 1024), 3000, 1024)
-    assert torch.allclose(p.grad, first) and torch.allclose(exchange.residual, g1 - first)
+    assert torch.allclose(p.grad, first) and torch.allclose(exchange.mean.residual, g1 - first)
     p.grad = g2.clone()
     exchange.exchange([p])
     corrected = g2 + (g1 - first)
     second = unpack_signs(*pack_signs(corrected, 1024), 3000, 1024)
     assert torch.allclose(p.grad, second, atol=1e-6)
-    assert torch.allclose(exchange.residual, corrected - second, atol=1e-6)
+    assert torch.allclose(exchange.mean.residual, corrected - second, atol=1e-6)
+
+
+def test_one_bit_adam_warms_up_as_adamw_then_agrees_on_1_bit_momentum():
+    """For its warm-up steps 1-bit Adam is torch's AdamW; then its second moment stays as the
+    warm-up left it, its momentum becomes the 1-bit mean of ``beta1 * m + (1 - beta1) * g``,
+    and it steps by that momentum over the frozen second moment."""
+    torch.manual_seed(4)
+    shapes = [(30, 20), (45,)]
+    ours = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    groups = lambda ps: [{"params": ps[:1], "weight_decay": 0.1}, {"params": ps[1:]}]  # noqa: E731
+    lr, betas, block = 0.01, (0.9, 0.95), 64
+    onebit = OneBitAdam(groups(ours), lr, betas, 3, OneBitMean(World(), block, Traffic()))
+    adamw = torch.optim.AdamW(groups(theirs), lr, betas, weight_decay=0.0, foreach=False)
+    for _ in range(3):
+        assert onebit.warming_up()
+        grads = [torch.randn(s) for s in shapes]
+        for p, q, g in zip(ours, theirs, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        onebit.step()
+        adamw.step()
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert not onebit.warming_up()
+    before = [p.detach().clone() for p in ours]
+    frozen = [onebit.state[p]["exp_avg_sq"].clone() for p in ours]
+    grads = [torch.randn(s) for s in shapes]
+    local = torch.cat(
+        [(0.9 * onebit.state[p]["exp_avg"] + 0.1 * g).reshape(-1) for p, g in zip(ours, grads)]
+    )
+    for p, g in zip(ours, grads):
+        p.grad = g
+    onebit.step()
+    agreed = compressed_mean([local], block).split([p.numel() for p in ours])
+    for p, old, v, m, decay in zip(ours, before, frozen, agreed, (0.1, 0.0)):
+        assert torch.equal(onebit.state[p]["exp_avg_sq"], v)
+        torch.testing.assert_close(onebit.state[p]["exp_avg"].reshape(-1), m)
+        step = lr / (1 - 0.9**4) * m.view_as(p) / ((v / (1 - 0.95**3)).sqrt() + 1e-8)
+        torch.testing.assert_close(p.detach(), old * (1 - lr * decay) - step)
+    residual = onebit.mean.local_state()["residual"]
+    torch.testing.assert_close(residual, local - ones(local, block))
 
 
 @pytest.mark.parametrize("comm", ["onebit", "powersgd", "demo"])
@@ -414,9 +455,16 @@ def test_bad_settings_get_a_clear_error(corpus, tmp_path):
         *args, "--out", tmp_path / "early", "--comm", "powersgd", "--powersgd-warmup", 1
     )
     assert early.returncode == 1 and "powersgd_warmup at least 2" in early.stderr
+    frozen = cli_here(*args, "--out", tmp_path / "frozen", "--comm", "onebit", "--onebit-warmup", 0)
+    assert frozen.returncode == 1 and "onebit_warmup must be at least 1" in frozen.stderr
+    galore = cli_here(
+        *args, "--out", tmp_path / "galore", "--comm", "onebit", "--optimizer", "galore"
+    )
+    assert galore.returncode == 1 and "or onebit_target gradient" in galore.stderr
     unknown = cli_here(*args, "--out", tmp_path / "unknown", "--comm", "carrier-pigeon")
     assert unknown.returncode == 2 and "invalid choice: 'carrier-pigeon'" in unknown.stderr
-    assert not any((tmp_path / name).exists() for name in ("zero", "early", "unknown"))
+    names = ("zero", "early", "frozen", "galore", "unknown")
+    assert not any((tmp_path / name).exists() for name in names)
 
 
 @pytest.mark.parametrize(

@@ -15,9 +15,18 @@ OPTIMIZERS = ("adamw", "galore", "galore8bit")  # see teralm.train.optim
 OFFLOADS = ("none", "optimizer", "optimizer+master")  # see teralm.train.offload
 MODES = ("sync", "diloco")  # data-parallel under torchrun, or teralm.train.diloco
 OUTER_COMPRESSIONS = ("none", "onebit", "demo")  # DiLoCo's pseudo-gradients, teralm.train.diloco
-DROPOUT_FEATURES = ("self", "none")  # index-dropout fragments' features, teralm.train.data
+DROPOUT_FEATURES = ("self", "none")
+ONEBIT_TARGETS = (
+    "momentum",
+    "gradient",
+)  # what 1-bit messages carry: teralm.train.distributed  # index-dropout fragments' features, teralm.train.data
 # training settings added later, with the value that means "as runs trained before them"
-ADDED_SINCE = {"own_loss_weight": 0.0, "index_dropout": 0.0, "dropout_features": "none"}
+ADDED_SINCE = {
+    "own_loss_weight": 0.0,
+    "index_dropout": 0.0,
+    "dropout_features": "none",
+    "onebit_target": "gradient",
+}
 
 
 @dataclass
@@ -36,7 +45,8 @@ class TrainConfig:
     ``batch_size / W`` fragments. ``comm``: how the processes agree each step (see
     teralm.train.distributed); ``demo_*``: DeMo's chunk size, components kept per chunk and
     momentum; ``onebit_warmup``: steps of plain all-reduce before 1-bit messages,
-    ``onebit_block``: values sharing one scale in them; ``powersgd_*``: PowerSGD's matrix rank and the steps of plain all-reduce before it
+    ``onebit_block``: values sharing one scale in them, ``onebit_target``: what they carry
+    (AdamW's momentum with its second moment frozen after the warm-up, or the gradients); ``powersgd_*``: PowerSGD's matrix rank and the steps of plain all-reduce before it
     starts compressing.
     ``mode = "diloco"`` trains ``replicas`` workers apart (teralm.train.diloco), each on
     ``batch_size / replicas`` fragments a step, meeting every ``inner_steps`` steps: the
@@ -73,6 +83,7 @@ class TrainConfig:
     demo_beta: float = 0.999
     onebit_warmup: int = 50
     onebit_block: int = 256
+    onebit_target: str = "momentum"
     mode: str = "sync"
     inner_steps: int = 50
     outer_lr: float = 0.7
@@ -101,6 +112,19 @@ class TrainConfig:
             raise ValueError("demo_beta must be in [0, 1)")
         if self.onebit_warmup < 0 or self.onebit_block < 8 or self.onebit_block % 8:
             raise ValueError("onebit_warmup must be 0 or more, onebit_block a multiple of 8")
+        if self.onebit_target not in ONEBIT_TARGETS:
+            raise ValueError(f"onebit_target must be one of {', '.join(ONEBIT_TARGETS)}")
+        if self.comm == "onebit" and self.onebit_target == "momentum":
+            if self.onebit_warmup < 1:
+                raise ValueError(
+                    "onebit_target momentum freezes AdamW's second moment at the end of the "
+                    "warm-up: onebit_warmup must be at least 1"
+                )
+            if self.optimizer != "adamw" or self.offload != "none" or self.per_layer_update:
+                raise ValueError(
+                    "onebit_target momentum is an AdamW of its own: use optimizer adamw, "
+                    "offload none and no per-layer updates (or onebit_target gradient)"
+                )
         if self.powersgd_rank < 1 or self.powersgd_warmup < 2:
             raise ValueError("powersgd_rank must be at least 1 and powersgd_warmup at least 2")
         if self.optimizer not in OPTIMIZERS:

@@ -5,12 +5,14 @@ NCCL on GPUs); started plainly, it is one process and nothing here communicates.
 every rank's backward, an exchange makes the ranks agree:
 
 - ``allreduce``: the gradients' mean over ranks (the reference);
-- ``onebit``: TScale's 1-bit compression with error feedback, as a compressed all-reduce. Each
-  rank adds its residual to its gradient and cuts it into one shard per rank; shard ``j`` goes to
-  rank ``j`` as signs (one bit each) and the mean magnitude of every block of ``onebit_block``
-  values. Rank ``j`` averages the shards it received, compresses that mean the same way (with a
-  residual of its own) and sends it to everyone. What a message misses is kept and added back
-  the next step, so nothing is lost, only delayed.
+- ``onebit``: TScale's 1-bit compression with error feedback, as a compressed all-reduce
+  (``OneBitMean``). Each rank adds its residual to its vector and cuts it into one shard per
+  rank; shard ``j`` goes to rank ``j`` as signs (one bit each) and the mean magnitude of every
+  block of ``onebit_block`` values. Rank ``j`` averages the shards it received, compresses that
+  mean the same way (with a residual of its own) and sends it to everyone. What a message
+  misses is kept and added back the next time, so nothing is lost, only delayed. The vector is
+  AdamW's momentum once its second moment is frozen, as in 1-bit Adam (``onebit_target =
+  "momentum"``, teralm.train.optim.OneBitAdam), or the gradients (``"gradient"``).
 - ``powersgd``: PyTorch's PowerSGD communication hook on DistributedDataParallel, as it is.
 - ``demo``: DeMo (Peng, Quesnelle and Kingma, 2024), in teralm.train.optim.DeMo: the ranks
   exchange only the top-k DCT components of each chunk of their momentum.
@@ -186,16 +188,14 @@ class AllReduce(Exchange):
         _set_grads(params, flat / self.world.size)
 
 
-class OneBit(Exchange):
-    """1-bit compressed all-reduce with error feedback on both sides: every rank keeps the
-    ``residual`` its own message missed, and, for the shard it averages, the
-    ``shard_residual`` that its message of the mean missed."""
+class OneBitMean:
+    """The ranks' mean of a vector through 1-bit messages, with error feedback on both sides:
+    every rank keeps the ``residual`` its own message missed, and, for the shard it averages,
+    the ``shard_residual`` that its message of the mean missed; both are added back the next
+    time."""
 
-    def __init__(self, world: World, block: int, warmup: int = 0):
-        super().__init__(world)
-        self.block, self.warmup, self.steps = block, warmup, 0
-        self.plain = AllReduce(world)
-        self.plain.traffic = self.traffic
+    def __init__(self, world: World, block: int, traffic: Traffic):
+        self.world, self.block, self.traffic = world, block, traffic
         self.residual: torch.Tensor | None = None
         self.shard_residual: torch.Tensor | None = None
 
@@ -204,13 +204,9 @@ class OneBit(Exchange):
         length = math.ceil(n / self.world.size / self.block) * self.block
         return length, [min(max(n - j * length, 0), length) for j in range(self.world.size)]
 
-    def exchange(self, params: list[torch.Tensor]) -> None:
-        self.steps += 1
-        if self.steps <= self.warmup:
-            return self.plain.exchange(params)
-        corrected = _flat_grads(params).float()
-        if self.residual is not None:
-            corrected += self.residual
+    def __call__(self, values: torch.Tensor) -> torch.Tensor:
+        """The decoded mean of every rank's ``values`` (fp32, of one length on all ranks)."""
+        corrected = values if self.residual is None else values + self.residual
         n, W, rank = corrected.numel(), self.world.size, self.world.rank
         length, real = self._shards(n)
         wire = SignMessage(length, self.block)
@@ -227,18 +223,63 @@ class OneBit(Exchange):
         reply = wire.encode(mean)
         self.shard_residual[: real[rank]] = mean - wire.decode(reply, real[rank])
         replies = all_gather(reply, self.world, self.traffic)
-        _set_grads(params, torch.cat([wire.decode(m, k) for m, k in zip(replies, real)]))
+        return torch.cat([wire.decode(m, k) for m, k in zip(replies, real)])
 
     def local_state(self) -> dict[str, torch.Tensor]:
-        steps = {"steps": torch.tensor([self.steps])}
         if self.residual is None:
-            return steps
-        return {**steps, "residual": self.residual, "shard_residual": self.shard_residual}
+            return {}
+        return {"residual": self.residual, "shard_residual": self.shard_residual}
+
+    def load_local_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        if "residual" in tensors:
+            self.residual, self.shard_residual = tensors["residual"], tensors["shard_residual"]
+
+
+class OneBit(Exchange):
+    """``onebit`` of the gradients (``onebit_target = "gradient"``): plain all-reduce for
+    ``warmup`` steps, then the gradients' ``OneBitMean``."""
+
+    def __init__(self, world: World, block: int, warmup: int = 0):
+        super().__init__(world)
+        self.warmup, self.steps = warmup, 0
+        self.plain = AllReduce(world)
+        self.plain.traffic = self.traffic
+        self.mean = OneBitMean(world, block, self.traffic)
+
+    def exchange(self, params: list[torch.Tensor]) -> None:
+        self.steps += 1
+        if self.steps <= self.warmup:
+            return self.plain.exchange(params)
+        _set_grads(params, self.mean(_flat_grads(params).float()))
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        return {"steps": torch.tensor([self.steps]), **self.mean.local_state()}
 
     def load_local_state(self, tensors: dict[str, torch.Tensor]) -> None:
         self.steps = int(tensors.get("steps", torch.tensor([0]))[0])
-        if "residual" in tensors:
-            self.residual, self.shard_residual = tensors["residual"], tensors["shard_residual"]
+        self.mean.load_local_state(tensors)
+
+
+class OneBitMomentum(Exchange):
+    """``onebit`` of the momentum (``onebit_target = "momentum"``): the gradients' plain
+    all-reduce while the optimizer (teralm.train.optim.OneBitAdam) warms up, then nothing
+    here: the optimizer agrees on its momentum through 1-bit messages itself."""
+
+    def __init__(self, world: World, optimizer: torch.optim.Optimizer):
+        super().__init__(world)
+        self.optimizer, self.traffic = optimizer, optimizer.traffic
+        self.plain = AllReduce(world)
+        self.plain.traffic = self.traffic
+
+    def exchange(self, params: list[torch.Tensor]) -> None:
+        if self.optimizer.warming_up():
+            self.plain.exchange(params)
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        return self.optimizer.mean.local_state()
+
+    def load_local_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.optimizer.mean.load_local_state(tensors)
 
 
 class PowerSGD(Exchange):
@@ -375,6 +416,8 @@ def make_exchange(cfg: TrainConfig, world: World, optimizer: torch.optim.Optimiz
     """The gradient exchange for ``cfg.comm``."""
     if cfg.comm not in COMMS:
         raise ValueError(f"unknown comm {cfg.comm!r}; choose from {', '.join(COMMS)}")
+    if cfg.comm == "onebit" and cfg.onebit_target == "momentum":
+        return OneBitMomentum(world, optimizer)
     if cfg.comm == "onebit":
         return OneBit(world, cfg.onebit_block, cfg.onebit_warmup)
     if cfg.comm == "powersgd":

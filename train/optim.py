@@ -1,6 +1,12 @@
 """Optimizers and their state: AdamW (one process or exchanged gradients), GaLore (AdamW in a
 low-rank projection of each matrix's gradient, teralm.train.galore), either offloaded to the CPU
-(teralm.train.offload), and DeMo.
+(teralm.train.offload), 1-bit Adam and DeMo.
+
+1-bit Adam (Tang et al., 2021) is AdamW whose ranks agree on the momentum instead of the
+gradient. For ``warmup`` steps it is AdamW on all-reduced gradients. Then its second moment is
+frozen, since 1-bit messages would corrupt it, and every rank adds its own gradient to the
+agreed momentum (``m_r = beta1 * m + (1 - beta1) * g_r``). The ranks' mean of those through
+1-bit messages with error feedback (teralm.train.distributed.OneBitMean) is the new agreed ``m``.
 
 DeMo (decoupled momentum, Peng, Quesnelle and Kingma, 2024) keeps each rank's momentum local
 and sends only what changes fastest in it: every step a rank adds its gradient to its momentum
@@ -17,7 +23,7 @@ import torch
 
 from teralm.train.compression import DCTMessage, DCTTopK
 from teralm.train.config import TrainConfig
-from teralm.train.distributed import Traffic, World, all_gather
+from teralm.train.distributed import OneBitMean, Traffic, World, all_gather
 from teralm.train.galore import GaLoreAdamW
 from teralm.train.offload import Offloaded
 from teralm.train.per_layer import PerLayer
@@ -54,7 +60,7 @@ def galore_groups(model: torch.nn.Module, cfg: TrainConfig) -> list[dict]:
 def make_optimizer(
     model: torch.nn.Module, cfg: TrainConfig, world: World | None = None
 ) -> torch.optim.Optimizer | Offloaded | PerLayer:
-    """DeMo for ``comm = "demo"``; GaLore for ``optimizer = "galore"`` or ``"galore8bit"``; else
+    """DeMo for ``comm = "demo"``; 1-bit Adam for ``comm = "onebit"`` of the momentum; GaLore for ``optimizer = "galore"`` or ``"galore8bit"``; else
     AdamW, fused (one kernel for all parameters, on the CPU too); on CPU copies of the weights
     with ``offload`` (bf16 working weights on a GPU with ``optimizer+master``); stepped
     parameter by parameter inside the backward with ``per_layer_update``."""
@@ -63,6 +69,10 @@ def make_optimizer(
         groups = parameter_groups(model, cfg.weight_decay)
         return DeMo(groups, cfg.lr, cfg.demo_beta, compression, world or World())
     betas = (cfg.beta1, cfg.beta2)
+    if cfg.comm == "onebit" and cfg.onebit_target == "momentum":
+        groups = parameter_groups(model, cfg.weight_decay)
+        mean = OneBitMean(world or World(), cfg.onebit_block, Traffic())
+        return OneBitAdam(groups, cfg.lr, betas, cfg.onebit_warmup, mean)
     if cfg.optimizer == "adamw":
         groups = parameter_groups(model, cfg.weight_decay)
 
@@ -82,6 +92,68 @@ def make_optimizer(
     on_gpu = next(model.parameters()).is_cuda
     masters = cfg.offload == "optimizer+master"
     return Offloaded(groups, make, masters, torch.bfloat16 if on_gpu else None)
+
+
+class OneBitAdam(torch.optim.Optimizer):
+    """1-bit Adam: see the module's docstring. During the warm-up its steps are
+    ``torch.optim.AdamW``'s; after it, ``p -= lr * (m / (1 - beta1^t)) / (sqrt(v / (1 -
+    beta2^warmup)) + eps)`` with the frozen ``v``, and decoupled weight decay as AdamW's. ``traffic``
+    counts what it and the warm-up's all-reduce send."""
+
+    def __init__(
+        self, params, lr: float, betas: tuple[float, float], warmup: int, mean: OneBitMean,
+        eps: float = 1e-8,
+    ):  # fmt: skip
+        if warmup < 1:
+            raise ValueError("1-bit Adam needs a warm-up of at least one step")
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
+        self.warmup, self.mean, self.traffic = warmup, mean, mean.traffic
+
+    def _parameters(self) -> list[tuple[torch.Tensor, dict]]:
+        return [(p, group) for group in self.param_groups for p in group["params"]]
+
+    def _steps(self) -> int:
+        """Steps taken so far (all parameters step together)."""
+        state = self.state[self.param_groups[0]["params"][0]]
+        return int(state["step"]) if "step" in state else 0
+
+    def warming_up(self) -> bool:
+        """Whether the next step is one of the warm-up's (gradients all-reduced, AdamW)."""
+        return self._steps() < self.warmup
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        t = self._steps() + 1
+        params = self._parameters()
+        for p, _ in params:
+            state = self.state[p]
+            if not state:
+                state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+            state["step"] = torch.tensor(float(t))
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p, _ in params]
+        if t <= self.warmup:
+            for (p, group), g in zip(params, grads):
+                beta1, beta2 = group["betas"]
+                self.state[p]["exp_avg"].lerp_(g.float(), 1 - beta1)
+                self.state[p]["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        else:
+            beta1 = params[0][1]["betas"][0]
+            local = torch.cat(
+                [(beta1 * self.state[p]["exp_avg"] + (1 - beta1) * g).reshape(-1)
+                 for (p, _), g in zip(params, grads)]
+            )  # fmt: skip
+            agreed, offset = self.mean(local), 0
+            for p, _ in params:
+                self.state[p]["exp_avg"].copy_(agreed[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+        for p, group in params:
+            beta1, beta2 = group["betas"]
+            lr, state = group["lr"], self.state[p]
+            second = 1 - beta2 ** min(t, self.warmup)
+            denom = (state["exp_avg_sq"].sqrt() / second**0.5).add_(group["eps"])
+            p.mul_(1 - lr * group["weight_decay"])
+            p.addcdiv_(state["exp_avg"].to(p.dtype), denom.to(p.dtype), value=-lr / (1 - beta1**t))
 
 
 class DeMo(torch.optim.Optimizer):
