@@ -119,7 +119,10 @@ class HFBaseline:
     name = "HF transformers GPT-2"
 
     def __init__(self, model_config: dict):
-        from transformers import GPT2Config, GPT2LMHeadModel
+        try:
+            from transformers import GPT2Config, GPT2LMHeadModel
+        except ImportError:
+            sys.exit("the HF baseline needs transformers: pip install -e '.[bench]'")
 
         config = GPT2Config(
             vocab_size=model_config["vocab_size"],
