@@ -2,12 +2,12 @@
 
     pip install -e .
     python benchmarks/bench_distributed.py [--steps 300] [--processes 4] [--lr 1e-3]
-        [--demo-topk 16] [--link-steps 8]
+        [--demo-lr 2e-3] [--demo-topk 16] [--link-steps 8]
 
 Part 1 trains the ``tiny`` preset on pydocs with the index (equal steps, global batch and
 tokens) as one process and as ``--processes`` processes under torchrun on 127.0.0.1 with each
-``--comm`` (``onebit`` and ``demo`` at ``--lr``, ``allreduce`` at both that and the preset's,
-DeMo once more with ``--demo-topk``), then scores every run on the held-out documents (``teralm
+``--comm`` (``onebit`` at ``--lr``, ``demo`` at ``--demo-lr``, ``allreduce`` at both ``--lr`` and
+the preset's, DeMo once more with ``--demo-topk``), then scores every run on the held-out documents (``teralm
 eval``). It reports held-out bits per byte, the bytes each rank sent per step (as logged in
 ``metrics.jsonl``) and wall time.
 
@@ -61,12 +61,14 @@ def per_step_bytes(run: Path) -> tuple[float, int]:
     return sum(sent) / len(sent), sent[-1]
 
 
-def part_one(index: Path, steps: int, processes: int, max_tokens: int, lr: float, topk: int):
+def part_one(
+    index: Path, steps: int, processes: int, max_tokens: int, lr: float, demo_lr: float, topk: int
+):
     """One process and ``processes`` with each exchange: held-out bpb, bytes, wall time.
 
-    ``onebit`` and ``demo`` train at ``lr``: DeMo's sign steps move every weight by the whole
-    rate, and 1-bit gradients give AdamW sign-like steps too. ``allreduce`` runs at the preset's
-    rate and at ``lr``, so that neither compared run is at a rate that suits only it."""
+    ``onebit`` trains at ``lr``, ``demo`` at ``demo_lr`` (its sign steps move every weight by the
+    whole rate). ``allreduce`` runs at the preset's rate and at ``lr``, so that neither compared
+    run is at a rate that suits only it."""
     lower = ["--lr", lr]
     runs = [
         ("1 process", "allreduce", 1, []),
@@ -75,10 +77,11 @@ def part_one(index: Path, steps: int, processes: int, max_tokens: int, lr: float
     runs.append((f"{processes} × allreduce lr={lr:g}", "allreduce", processes, lower))
     runs.append((f"{processes} × onebit lr={lr:g}", "onebit", processes, lower))
     runs.append((f"{processes} × powersgd", "powersgd", processes, []))
-    runs.append((f"{processes} × demo lr={lr:g}", "demo", processes, lower))
+    demo = ["--lr", demo_lr]
+    runs.append((f"{processes} × demo lr={demo_lr:g}", "demo", processes, demo))
     if topk:
-        extra = [*lower, "--demo-topk", topk]
-        runs.append((f"{processes} × demo k={topk} lr={lr:g}", "demo", processes, extra))
+        extra = [*demo, "--demo-topk", topk]
+        runs.append((f"{processes} × demo k={topk} lr={demo_lr:g}", "demo", processes, extra))
     rows = []
     for name, comm, world, extra in runs:
         run = WORK / "".join(c if c.isalnum() or c in "-." else "-" for c in name)
@@ -210,8 +213,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=100_000)
     parser.add_argument("--link-steps", type=int, default=8, help="steps of each link run")
     parser.add_argument(
-        "--lr", type=float, default=1e-3, help="learning rate of onebit and demo (and allreduce)"
+        "--lr", type=float, default=1e-3, help="learning rate of onebit (and allreduce)"
     )
+    parser.add_argument("--demo-lr", type=float, default=2e-3, help="learning rate of demo")
     parser.add_argument(
         "--demo-topk", type=int, default=16, help="one more DeMo run with this k (0: none)"
     )
@@ -221,7 +225,9 @@ def main() -> None:
     WORK.mkdir(parents=True, exist_ok=True)
 
     print(f"part 1: tiny preset, {args.steps} steps, global batch 16 x 256 tokens", flush=True)
-    rows = part_one(index, args.steps, args.processes, args.max_tokens, args.lr, args.demo_topk)
+    rows = part_one(
+        index, args.steps, args.processes, args.max_tokens, args.lr, args.demo_lr, args.demo_topk
+    )
     print(
         table(
             rows,
