@@ -60,8 +60,8 @@ def galore_groups(model: torch.nn.Module, cfg: TrainConfig) -> list[dict]:
 def make_optimizer(
     model: torch.nn.Module, cfg: TrainConfig, world: World | None = None
 ) -> torch.optim.Optimizer | Offloaded | PerLayer:
-    """DeMo for ``comm = "demo"``; 1-bit Adam for ``comm = "onebit"`` of the momentum; GaLore for ``optimizer = "galore"`` or ``"galore8bit"``; else
-    AdamW, fused (one kernel for all parameters, on the CPU too); on CPU copies of the weights
+    """DeMo for ``comm = "demo"``; 1-bit Adam for ``comm = "onebit"`` of the momentum; GaLore
+    for ``optimizer = "galore"`` or ``"galore8bit"``; else AdamW, fused (one kernel for all parameters, on the CPU too); on CPU copies of the weights
     with ``offload`` (bf16 working weights on a GPU with ``optimizer+master``); stepped
     parameter by parameter inside the backward with ``per_layer_update``."""
     if cfg.comm == "demo":
@@ -94,6 +94,11 @@ def make_optimizer(
     return Offloaded(groups, make, masters, torch.bfloat16 if on_gpu else None)
 
 
+def _parameters(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, dict]]:
+    """Every parameter with its group, in the groups' order."""
+    return [(p, group) for group in optimizer.param_groups for p in group["params"]]
+
+
 class OneBitAdam(torch.optim.Optimizer):
     """1-bit Adam: see the module's docstring. During the warm-up its steps are
     ``torch.optim.AdamW``'s; after it, ``p -= lr * (m / (1 - beta1^t)) / (sqrt(v / (1 -
@@ -109,9 +114,6 @@ class OneBitAdam(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
         self.warmup, self.mean, self.traffic = warmup, mean, mean.traffic
 
-    def _parameters(self) -> list[tuple[torch.Tensor, dict]]:
-        return [(p, group) for group in self.param_groups for p in group["params"]]
-
     def _steps(self) -> int:
         """Steps taken so far (all parameters step together)."""
         state = self.state[self.param_groups[0]["params"][0]]
@@ -124,7 +126,7 @@ class OneBitAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         t = self._steps() + 1
-        params = self._parameters()
+        params = _parameters(self)
         for p, _ in params:
             state = self.state[p]
             if not state:
@@ -166,12 +168,9 @@ class DeMo(torch.optim.Optimizer):
         self.compression, self.world, self.traffic = compression, world, Traffic()
         self.message: DCTMessage | None = None
 
-    def _parameters(self) -> list[tuple[torch.Tensor, dict]]:
-        return [(p, group) for group in self.param_groups for p in group["params"]]
-
     @torch.no_grad()
     def step(self, closure=None):
-        params = self._parameters()
+        params = _parameters(self)
         if self.message is None:
             self.message = DCTMessage(self.compression, [p.shape for p, _ in params])
         parts, totals = [], []
@@ -199,7 +198,7 @@ class DeMo(torch.optim.Optimizer):
 
     def local_state(self) -> dict[str, torch.Tensor]:
         """This rank's momentum (each rank's differs: it keeps what the rank did not send)."""
-        params = self._parameters()
+        params = _parameters(self)
         return {
             f"momentum.{i}": self.state[p]["momentum"]
             for i, (p, _) in enumerate(params)
@@ -207,6 +206,6 @@ class DeMo(torch.optim.Optimizer):
         }
 
     def load_local_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        for i, (p, _) in enumerate(self._parameters()):
+        for i, (p, _) in enumerate(_parameters(self)):
             if f"momentum.{i}" in tensors:
                 self.state[p]["momentum"] = tensors[f"momentum.{i}"].to(p.device)
