@@ -61,9 +61,10 @@ def make_optimizer(
     model: torch.nn.Module, cfg: TrainConfig, world: World | None = None
 ) -> torch.optim.Optimizer | Offloaded | PerLayer:
     """DeMo for ``comm = "demo"``; 1-bit Adam for ``comm = "onebit"`` of the momentum; GaLore
-    for ``optimizer = "galore"`` or ``"galore8bit"``; else AdamW, fused (one kernel for all parameters, on the CPU too); on CPU copies of the weights
-    with ``offload`` (bf16 working weights on a GPU with ``optimizer+master``); stepped
-    parameter by parameter inside the backward with ``per_layer_update``."""
+    for ``optimizer = "galore"`` or ``"galore8bit"``; else AdamW, fused (one kernel for all
+    parameters, on the CPU too); on CPU copies of the weights with ``offload`` (bf16 working
+    weights on a GPU with ``optimizer+master``); stepped parameter by parameter inside the
+    backward with ``per_layer_update``."""
     if cfg.comm == "demo":
         compression = DCTTopK(cfg.demo_chunk, cfg.demo_topk)
         groups = parameter_groups(model, cfg.weight_decay)
