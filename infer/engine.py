@@ -11,9 +11,11 @@ forward of the new tokens with one batched ∞-gram query. A sequence whose cont
 
 Speculation: where the index's longest match is long, the tokens that follow it in the corpus
 are likely next. The engine drafts up to ``speculate`` of them and runs them in the same forward
-as the newest token; sampling then keeps each draft with the probability the model gives it
-(``check_draft``), so the output is distributed as without drafts (greedy: identical), and one
-forward can yield several tokens. A rejected draft's cache entries are dropped.
+as the newest token, then samples each drafted position as it would without drafts and keeps
+the draft where the sampled token equals it (with a one-hot proposal, speculative sampling's
+test keeps a draft with the probability the sampler gives it, and this is that test). The
+output is the same tokens as without drafts, seeded or greedy, whatever else runs in the batch,
+and one forward can yield several tokens. A rejected draft's cache entries are dropped.
 
 Prompts that begin as a recent one reuse its cached keys and values (teralm.infer.prefix_cache)
 and run only the rest through the model. Callers talk to the engine through
@@ -41,7 +43,7 @@ from teralm.infer.decoder import MAX_ROWS, Decoded, Decoder
 from teralm.infer.mixture import infgram_probs, knn_mixed_logp, next_token_logp
 from teralm.infer.precision import autocast
 from teralm.infer.prefix_cache import PrefixCache
-from teralm.infer.sampling import Sampling, check_draft, sample_token, sample_tokens
+from teralm.infer.sampling import Sampling, sample_token, sample_tokens
 from teralm.model import Transformer
 from teralm.model.kv_cache import KVCache
 
@@ -499,18 +501,16 @@ class Engine:
                 self._try(seq, self._sample, slot)
 
     def _sample(self, seq: Sequence, slot: int) -> None:
-        """The next token, or several when drafts are kept: each draft is checked in turn
-        until one is rejected (the checker's token replaces it) or all are kept (one more
-        token is sampled after them). The cache keeps the entries of kept drafts only."""
+        """The next token, or several when drafts are kept: the position after the newest token
+        and after each kept draft is sampled in turn, until the sampled token differs from the
+        draft (it replaces it) or all drafts are kept (one more token is sampled after them).
+        The cache keeps the entries of kept drafts only."""
         if seq.done or seq.cancelled:
             return
         kept = 0
         for row, logp in enumerate(seq.logp):
             draft = seq.drafts[row] if row < len(seq.drafts) else None
-            if draft is None:
-                token = sample_token(logp, seq.sampling, seq.generator)
-            else:
-                token = check_draft(logp, draft.token, seq.sampling, seq.generator)
+            token = sample_token(logp, seq.sampling, seq.generator)
             self._emit(seq, token, logp)
             if draft is None or token != draft.token or seq.done or seq.cancelled:
                 break

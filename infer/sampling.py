@@ -1,4 +1,6 @@
-"""One sampler for every way of generating: temperature, top-k, top-p and a seeded generator."""
+"""One sampler for every way of generating: logit bias, temperature, top-k, top-p and a seeded
+generator. Every sampled token takes exactly one number from its sequence's generator, so a seeded
+sequence gives the same tokens whatever else is batched beside it and whatever is drafted."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ GREEDY_BELOW = 1e-6  # temperatures under this pick the most likely token
 
 @dataclass
 class Sampling:
-    """How one sequence is generated (``logprobs``/``echo``: what its events report)."""
+    """How one sequence is generated (``logprobs``/``echo``: what its events report).
+    ``logit_bias``: token id -> a value added to its log-probability before sampling (as OpenAI's
+    API defines it; -100 bans a token in effect, 100 all but forces it)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -21,6 +25,7 @@ class Sampling:
     logprobs: int | None = None
     echo: bool = False
     seed: int | None = None
+    logit_bias: dict[int, float] | None = None
 
     def generator(self) -> torch.Generator:
         """A CPU generator seeded with ``seed`` (or the clock when there is none)."""
@@ -40,6 +45,7 @@ def sample_tokens(
 ) -> list[int]:
     """``sample_token`` for every row of ``logp`` [N, vocab] at once (row ``i`` with
     ``samplings[i]`` and ``generators[i]``): the same tokens as one row at a time."""
+    logp = _biased(logp, samplings)
     tokens = logp.argmax(-1).tolist()
     drawn = [i for i, s in enumerate(samplings) if s.temperature >= GREEDY_BELOW]
     if drawn:
@@ -49,18 +55,15 @@ def sample_tokens(
     return tokens
 
 
-def check_draft(logp: torch.Tensor, draft: int, s: Sampling, generator: torch.Generator) -> int:
-    """The next token where ``draft`` was proposed for it: ``draft`` with the probability
-    ``sample_token`` gives it, else a draw from ``sample_token``'s distribution without it.
-    Speculative sampling with a one-hot proposal (Leviathan et al., 2023): the token comes out
-    distributed exactly as ``sample_token``'s; greedy, it is the most likely token."""
-    if s.temperature < GREEDY_BELOW:
-        return int(logp.argmax())
-    probs = _probabilities(logp, s)
-    if float(torch.rand(1, generator=generator)) < float(probs[draft]):
-        return draft
-    probs[draft] = 0.0
-    return _draw(probs[None], [generator])[0]
+def _biased(logp: torch.Tensor, samplings: list[Sampling]) -> torch.Tensor:
+    """``logp`` [N, vocab] with each row's ``logit_bias`` added (the same tensor when none has one)."""
+    rows = [(i, s.logit_bias) for i, s in enumerate(samplings) if s.logit_bias]
+    if not rows:
+        return logp
+    logp = logp.clone()
+    for i, bias in rows:
+        logp[i, list(bias)] += torch.tensor(list(bias.values()), dtype=logp.dtype)
+    return logp
 
 
 def _draw(probs: torch.Tensor, generators: list[torch.Generator]) -> list[int]:

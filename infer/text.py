@@ -51,8 +51,10 @@ def token_texts(pieces: Sequence[bytes]) -> list[str]:
 class TextStream:
     """Feed tokens with ``push``; each returns the text that is now final. Only the new token's
     bytes are decoded: a character split across tokens waits in the UTF-8 decoder for its last
-    byte. ``stopped`` turns true when a stop string appeared (the text ends just before it).
-    ``prefix`` (the prompt, when it is not echoed) is decoded first and not returned."""
+    byte. ``stopped`` turns true when a stop string appeared in the generated text (the text
+    ends just before it). ``prefix`` (the prompt, when it is not echoed) is decoded first and not
+    returned; an echoed prompt is pushed with ``prompt=True``: returned, and never searched for
+    stop strings (they apply to generated text only, as in OpenAI's API)."""
 
     def __init__(self, pieces: Sequence[bytes], stops: list[str], prefix: Iterable[int] = ()):
         self.pieces, self.stops = pieces, stops
@@ -62,8 +64,9 @@ class TextStream:
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.stopped = False
 
-    def push(self, token: int) -> str:
-        return self._advance(self.decoder.decode(self.pieces[token]), final=False)
+    def push(self, token: int, prompt: bool = False) -> str:
+        text = self.decoder.decode(self.pieces[token])
+        return text if prompt else self._advance(text, final=False)
 
     def finish(self) -> str:
         """Whatever is still held back, at the end of the sequence."""

@@ -123,7 +123,14 @@ class Choice:
         self.stream = TextStream(service.pieces, body.stop, prefix=() if body.echo else prompt)
         seed = body.seed if body.seed is None else body.seed + index
         sampling = Sampling(
-            max_tokens, body.temperature, body.top_p, body.top_k, body.logprobs, body.echo, seed
+            max_tokens,
+            body.temperature,
+            body.top_p,
+            body.top_k,
+            body.logprobs,
+            body.echo,
+            seed,
+            body.token_bias(),
         )
         self.updates: deque[TokenEvent] = deque()
         self.parts: list[str] = []  # the text, piece by piece
@@ -154,7 +161,7 @@ class Choice:
             delta, logprobs = "", None
             if event.token is not None:
                 self.generated += not event.prompt
-                delta = self.stream.push(event.token)
+                delta = self.stream.push(event.token, event.prompt)
                 logprobs = self._logprob(event)
             if self.stream.stopped:
                 self.seq.cancel()
@@ -303,7 +310,10 @@ class CompletionService:
         one search."""
         if len(text) > self.limits.max_body_bytes:
             raise ApiError("text too long", param="text")
-        context = self.ix.encode(text)
+        return self.lookup_tokens([int(t) for t in self.ix.encode(text)], top_k, sources)
+
+    def lookup_tokens(self, context: list[int], top_k: int = 5, sources: int = 3) -> LookupResponse:
+        """``lookup`` of tokens as given (a token-id prompt is not decoded and encoded again)."""
         found = self.ix.lookup(context, top_k=top_k, sources=sources)
         matched = context[len(context) - found.length :] if found.length else []
         return LookupResponse(
@@ -327,7 +337,7 @@ class CompletionService:
             if self.engine.knn is None
             else [
                 Neighbour(**hit, text=self.texts[hit["token"]])
-                for hit in self.engine.neighbours([int(t) for t in context])
+                for hit in self.engine.neighbours(context)
             ],
         )
 
@@ -357,6 +367,7 @@ class CompletionService:
             )
         if body.logprobs is not None and body.logprobs > limits.max_logprobs:
             raise ApiError(f"logprobs is at most {limits.max_logprobs}", param="logprobs")
+        self._check_tokens(list(body.token_bias() or ()), "logit_bias", "logit_bias token ids")
         self.check_model(body.model)
         return max_tokens
 
@@ -375,7 +386,7 @@ class CompletionService:
         index = None
         if body.index:  # teralm's extra field: the index's view of the (first) prompt; looked
             # up before the sequences are queued, so that its failure leaves nothing running
-            index = await asyncio.to_thread(self.lookup, self.ix.decode(prompts[0]))
+            index = await asyncio.to_thread(self.lookup_tokens, prompts[0])
         self.engine.submit([c.seq for c in choices])
         return Job(self.model_name, choices, wake, index)
 

@@ -1,8 +1,10 @@
 """OpenAI-compatible schemas, apart from the engine: what each route takes and what it sends.
 
-Fields the OpenAI client may send but teralm does not use (penalties, ``user``, ``best_of`` = n,
-``logit_bias`` when empty) are accepted and ignored; anything out of range, and text that is not
-valid Unicode, is a 400 with an OpenAI-style error object.
+Types are strict where OpenAI's API is: a number is a JSON number (not ``"3"``, ``true`` or
+NaN), a flag a JSON boolean. Fields the OpenAI client may send but teralm does not use
+(penalties, ``user``) are accepted and ignored; ``best_of`` other than ``n`` and a non-empty
+``suffix`` are refused rather than ignored. Anything out of range, and text that is not valid
+Unicode, is a 400 with an OpenAI-style error object.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOPS = 16  # lm-evaluation-harness tasks send up to 5; OpenAI takes 4
 MAX_STOP_CHARS = 256  # each stop string is searched for after every token
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on the tokens one request may bias
 
 
 @dataclass
@@ -47,7 +50,7 @@ TokenId = Annotated[int, Field(ge=0)]
 
 
 class Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class CompletionRequest(Request):
@@ -63,7 +66,31 @@ class CompletionRequest(Request):
     echo: bool = False
     stop: Text | list[Text] | None = Field(None, validate_default=True)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # torch takes 64 bits
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    best_of: int | None = Field(None, ge=1)
+    suffix: Text | None = None
     index: bool = False  # teralm extra: the prompt's index lookup in the response
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value):
+        if not value:
+            return None
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias takes up to {MAX_LOGIT_BIAS} tokens")
+        if not all(k.isascii() and k.isdigit() for k in value):
+            raise ValueError("logit_bias keys are token ids (strings of digits)")
+        if not all(-100 <= v <= 100 for v in value.values()):
+            raise ValueError("logit_bias values lie in [-100, 100]")
+        return value
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of other than n is not supported: ask for n and rank them")
+        if self.suffix:
+            raise ValueError("suffix is not supported (no insertion mode)")
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -74,6 +101,10 @@ class CompletionRequest(Request):
                 f"stop takes up to {MAX_STOPS} non-empty strings of up to {MAX_STOP_CHARS} characters"
             )
         return stops
+
+    def token_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` keyed by token id."""
+        return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts (strings or token lists)."""

@@ -19,7 +19,7 @@ from teralm.infer.fp8 import Fp8Embedding, Fp8Linear
 from teralm.infer.load import load_model
 from teralm.infer.mixture import infgram_probs, next_token_logp
 from teralm.infer.prefix_cache import PrefixCache
-from teralm.infer.sampling import Sampling, check_draft, sample_token, sample_tokens
+from teralm.infer.sampling import Sampling, sample_token, sample_tokens
 from teralm.infer.sampling import _probabilities as sampler_distribution
 from teralm.model import ModelConfig, Transformer, checkpoint
 from teralm.model.kv_cache import KVCache
@@ -251,24 +251,52 @@ def test_the_sampler_draws_from_temperature_top_k_and_top_p():
         assert (got - sampler_distribution(row, s)).abs().max() < 0.03, s
 
 
-def test_checking_a_draft_samples_the_samplers_distribution():
-    """Keeping the draft with its probability, else drawing from the rest, gives every token
-    the probability the sampler gives it, whatever the draft (here for temperature, top-k and
-    top-p), and the most likely token when greedy."""
-    logp = torch.log_softmax(torch.tensor([2.0, 1.5, 1.0, 0.2, -1.0, -3.0]), dim=-1)
-    n, generator = 5000, torch.Generator().manual_seed(1)
-    for sampling in (
-        Sampling(temperature=0.8),
-        Sampling(temperature=1.3, top_k=4),
-        Sampling(temperature=1.0, top_p=0.8),
-    ):
-        want = sampler_distribution(logp, sampling)
-        for draft in (0, 3):
-            draws = [check_draft(logp, draft, sampling, generator) for _ in range(n)]
-            got = torch.bincount(torch.tensor(draws), minlength=6) / n
-            assert (got - want).abs().max() < 0.03, (sampling, draft, got, want)
-    greedy_sampling = Sampling(temperature=0)
-    assert {check_draft(logp, d, greedy_sampling, torch.Generator()) for d in range(6)} == {0}
+def test_logit_bias_is_added_before_sampling():
+    """A bias moves the distribution as adding it to the log-probabilities does (a reference
+    through the sampler without bias), -100 bans a token, +100 forces it, greedy included; rows
+    without a bias sampled beside one are unchanged."""
+    torch.manual_seed(4)
+    logp = torch.log_softmax(torch.randn(12) * 2, dim=-1)
+    bias = {3: 2.5, 7: -1.0, int(logp.argmax()): -100.0}
+    shifted = logp.clone()
+    for t, b in bias.items():
+        shifted[t] += b
+    for s in (Sampling(temperature=0.8, top_k=6), Sampling(temperature=1.0, top_p=0.9)):
+        biased = Sampling(**{**s.__dict__, "logit_bias": bias})
+        generator, n = torch.Generator().manual_seed(6), 5000
+        draws = torch.tensor([sample_token(logp, biased, generator) for _ in range(n)])
+        got = torch.bincount(draws, minlength=12) / n
+        assert (got - sampler_distribution(shifted, s)).abs().max() < 0.03, s
+        assert got[int(logp.argmax())] == 0
+    best, second = torch.topk(logp, 2).indices.tolist()
+    greedy_ban = Sampling(temperature=0, logit_bias={best: -100.0})
+    assert sample_token(logp, greedy_ban, torch.Generator()) == second
+    forced = Sampling(temperature=1.0, logit_bias={5: 100.0})
+    rows = sample_tokens(
+        logp.repeat(2, 1), [forced, Sampling(temperature=0)], [torch.Generator()] * 2
+    )
+    assert rows == [5, int(logp.argmax())]
+
+
+@torch.no_grad()
+def test_a_seeded_sequence_gives_the_same_tokens_whatever_runs_beside_it(tiny_run):
+    """Sampled with a seed, a prompt from the corpus (long matches: drafts) gives the same tokens
+    alone without drafts, alone with drafts, and with drafts beside three other sequences
+    (fewer drafts each: the batch's rows are shared; theirs have the same seed)."""
+    ix, model = tiny_run["ix"], tiny_run["model"]
+    text = ix.decode(ix.tokens(*ix.document_range(3)))
+    prompts = [[int(t) for t in ix.encode(text[a : a + 12])] for a in (0, 30, 60, 90)]
+    seeded = Sampling(max_tokens=32, temperature=0.9, seed=1234)
+    runs = []
+    for speculate, beside in ((0, 0), (8, 0), (8, 3)):
+        engine = Engine(model, ix, max_batch=4, speculate=speculate)
+        try:
+            events = generate_events(engine, prompts[: 1 + beside], seeded)
+            runs.append(([e.token for e in events[0]], engine.stats.drafted))
+        finally:
+            engine.close()
+    assert runs[0][1] == 0 and runs[1][1] > 0 and runs[2][1] > 0
+    assert runs[0][0] == runs[1][0] == runs[2][0] and len(runs[0][0]) == 32
 
 
 @torch.no_grad()

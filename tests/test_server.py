@@ -211,12 +211,79 @@ def test_lm_eval_finds_the_remote_tokenizer(served):
         ({"prompt": "ab", "stop": ["x" * 257]}, 400, "stop"),
         ({"prompt": "x" * 5000}, 400, "limit"),
         ({"prompt": {"a": 1}}, 400, "prompt"),
+        ({"prompt": "ab", "temperature": float("nan")}, 400, "finite"),
+        ({"prompt": "ab", "temperature": "0.5"}, 400, "temperature"),
+        ({"prompt": "ab", "max_tokens": "3"}, 400, "max_tokens"),
+        ({"prompt": "ab", "echo": "yes"}, 400, "echo"),
+        ({"prompt": "ab", "stream": 1}, 400, "stream"),
+        ({"prompt": "ab", "logit_bias": {"116": -101}}, 400, "[-100, 100]"),
+        ({"prompt": "ab", "logit_bias": {"t": 1}}, 400, "token ids"),
+        ({"prompt": "ab", "logit_bias": {"999": 1}}, 400, "logit_bias token ids"),
+        ({"prompt": "ab", "best_of": 3}, 400, "best_of"),
+        ({"prompt": "ab", "suffix": "cd"}, 400, "suffix"),
     ],
 )
 def test_bad_requests_get_openai_errors(served, body, status, words):
     code, answer = request(served["port"], "POST", "/v1/completions", body)
     assert code == status, answer
     assert words in answer["error"]["message"] and answer["error"]["type"]
+
+
+def test_echo_with_stop_strings_searches_only_the_generated_text(served):
+    """A stop string inside an echoed prompt ends nothing; text and logprobs agree."""
+    port, full = served["port"], reference(served, "hello world", 8)
+    body = {"prompt": "hello world", "echo": True, "max_tokens": 8, "temperature": 0}
+    code, answer = request(port, "POST", "/v1/completions", {**body, "stop": ["world"]})
+    choice = answer["choices"][0]
+    assert code == 200 and choice["text"] == "hello world" + full, answer
+    assert answer["usage"]["completion_tokens"] == 8
+    generated = reference(served, "x", 3)
+    stop = "x" + generated[0]  # where prompt and output meet; not in the output alone
+    assert stop not in generated
+    body = {**body, "prompt": "x", "max_tokens": 3, "logprobs": 0, "stop": [stop]}
+    code, answer = request(port, "POST", "/v1/completions", body)
+    choice = answer["choices"][0]
+    assert code == 200 and choice["text"] == "x" + generated, answer
+    assert choice["text"] == "".join(choice["logprobs"]["tokens"])
+    assert choice["finish_reason"] == "length"
+    stop_in_output = full[3:5]
+    code, answer = request(
+        port, "POST", "/v1/completions", {**body, "prompt": "hello world", "max_tokens": 8,
+                                          "stop": [stop_in_output]}
+    )  # fmt: skip
+    choice = answer["choices"][0]
+    assert choice["text"] == "hello world" + full[: full.index(stop_in_output)]
+    assert choice["finish_reason"] == "stop"
+
+
+def test_logit_bias_bans_and_forces_tokens(served):
+    """-100 on the greedy token takes the next best (the reference with that token banned);
+    +100 on a token makes every generated token that one; logprobs stay the model's."""
+    port, full = served["port"], reference(served, "abcab", 4)
+    body = {"prompt": "abcab", "max_tokens": 4, "temperature": 0}
+    banned = ord(full[0])
+    code, answer = request(
+        port, "POST", "/v1/completions", {**body, "logit_bias": {str(banned): -100}}
+    )
+    assert code == 200 and chr(banned) not in answer["choices"][0]["text"], answer
+    code, answer = request(
+        port, "POST", "/v1/completions",
+        {**body, "temperature": 1.0, "logit_bias": {"122": 100}, "logprobs": 0},
+    )  # fmt: skip
+    assert code == 200 and answer["choices"][0]["text"] == "zzzz", answer
+    assert all(lp < 0 for lp in answer["choices"][0]["logprobs"]["token_logprobs"])
+
+
+def test_the_index_view_of_a_token_prompt_looks_up_the_tokens_as_given(served):
+    """A token-id prompt that is not valid UTF-8 is looked up as its tokens, not re-encoded."""
+    port, ix = served["port"], served["ix"]
+    prompt = [195, 169, 255]
+    body = {"prompt": prompt, "max_tokens": 1, "index": True}
+    code, answer = request(port, "POST", "/v1/completions", body)
+    assert code == 200, answer
+    match = ix.longest_match([np.array(prompt)])
+    assert answer["index"]["longest_match"]["tokens"] == 3
+    assert answer["index"]["longest_match"]["length"] == int(match.length[0])
 
 
 def test_malformed_oversized_and_unauthorised(served):
