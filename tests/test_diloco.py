@@ -25,10 +25,10 @@ os.environ.setdefault("RUST_LOG", "error")  # torchft's Rust side: no note of ev
 pytest.importorskip("torchft", reason="mode diloco runs on torchft (pip install 'teralm[ft]')")
 
 from teralm.model import Transformer  # noqa: E402
-from teralm.train.compression import DCTMessage, DCTTopK, SignMessage  # noqa: E402
+from teralm.train.compression import DCTMessage, DCTTopK, ShardedSignMean, SignMessage  # noqa: E402
 from teralm.train.config import RunConfig  # noqa: E402
 from teralm.train.data import FragmentSampler  # noqa: E402
-from teralm.train.diloco import DCTExchange, SignExchange, lighthouse_server  # noqa: E402
+from teralm.train.diloco import DCTExchange, lighthouse_server  # noqa: E402
 from teralm.train.distributed import Traffic  # noqa: E402
 from teralm.train.ft_transport import SafetensorsTransport, decode_state, encode_state  # noqa: E402
 from teralm.train.optim import make_optimizer  # noqa: E402
@@ -221,7 +221,8 @@ def test_compressed_and_asynchronous_rounds_train_and_agree(
 ):
     """1-bit and DCT pseudo-gradients, and TScale's asynchronous rounds: the loss falls, both
     workers end with the same weights, and a round sends one message of the size the wire
-    format gives (an all-gather of two messages sends one)."""
+    format gives (an all-gather of two messages sends one; 1-bit sends half its shards' messages
+    in an all-to-all, then its reply)."""
     config = config_file(
         tmp_path, max_steps=60, log_every=5, checkpoint_every=60, demo_chunk=8, demo_topk=4
     )
@@ -234,7 +235,7 @@ def test_compressed_and_asynchronous_rounds_train_and_agree(
     shapes = [p.shape for p in shaped_parameters(corpus, config)]
     numel = sum(math.prod(s) for s in shapes)
     message = {
-        "onebit": 4 + SignMessage(math.ceil(numel / 256) * 256, 256).nbytes,
+        "onebit": 4 + 2 * SignMessage(math.ceil(numel / 2 / 256) * 256, 256).nbytes,
         "demo": 4 + DCTMessage(DCTTopK(8, 4), shapes).nbytes,
         "none": 4 * (numel + 1),
     }[compress]
@@ -252,33 +253,68 @@ def shaped_parameters(ix, config: Path) -> list[torch.Tensor]:
     return list(Transformer(model_config).parameters())
 
 
-def test_the_exchanges_send_what_the_wire_formats_carry_and_average_by_weight():
-    """What a worker's message stands for is what the sync exchanges' wire formats decode;
-    the residual keeps the rest; the mean of several messages is weighted by their inner steps
-    (a worker with none counts for nothing)."""
+def test_the_dct_exchange_sends_what_its_wire_format_carries_and_averages_by_weight():
+    """What a worker's DCT message stands for is what the sync exchange's wire format decodes;
+    the mean of several messages is weighted by their inner steps (a worker with none counts
+    for nothing)."""
     torch.manual_seed(3)
     like = [torch.randn(12, 20), torch.randn(20), torch.randn(5, 3, 4)]
-    for exchange in (
-        SignExchange(None, None, Traffic(), 8),
-        DCTExchange(None, None, Traffic(), 4, 3),
-    ):
-        messages, sent = [], []
-        for _ in range(3):
-            corrected = [torch.randn_like(x) for x in like]
-            body, stands_for = exchange.encode(corrected)
-            assert all(torch.equal(a, b) for a, b in zip(exchange.decode(body, like), stands_for))
-            messages.append(body)
-            sent.append(stands_for)
-        if isinstance(exchange, SignExchange):
-            flat = torch.cat([c.reshape(-1) for c in corrected])
-            wire = SignMessage(math.ceil(flat.numel() / 8) * 8, 8)
-            want = wire.decode(wire.encode(flat), flat.numel())
-            assert torch.equal(torch.cat([s.reshape(-1) for s in stands_for]), want)
-        weights = [2.0, 0.0, 6.0]
-        mean = exchange.average(messages, weights, like)
-        for i, m in enumerate(mean):
-            torch.testing.assert_close(m, (2 * sent[0][i] + 6 * sent[2][i]) / 8)
-        assert exchange.average(messages, [0.0, 0.0, 0.0], like) is None
+    exchange = DCTExchange(None, None, Traffic(), 4, 3)
+    messages, sent = [], []
+    for _ in range(3):
+        corrected = [torch.randn_like(x) for x in like]
+        body, stands_for = exchange.encode(corrected)
+        assert all(torch.equal(a, b) for a, b in zip(exchange.decode(body, like), stands_for))
+        for c, s in zip(corrected, stands_for):
+            index, values = exchange.compression.encode(c)
+            q, scale = DCTMessage.quantize(values)
+            want = exchange.compression.decode(index, DCTMessage.dequantize(q, scale), c.shape)
+            assert torch.equal(s, want)
+        messages.append(body)
+        sent.append(stands_for)
+    weights = [2.0, 0.0, 6.0]
+    mean = exchange.average(messages, weights, like)
+    for i, m in enumerate(mean):
+        torch.testing.assert_close(m, (2 * sent[0][i] + 6 * sent[2][i]) / 8)
+    assert exchange.average(messages, [0.0, 0.0, 0.0], like) is None
+
+
+def test_the_two_stage_sign_mean_weights_its_workers_and_keeps_what_replies_miss():
+    """ShardedSignMean by hand for 3 workers of 45 values in blocks of 8 (shards of 16, 16 and
+    13 values): each shard's message is the 1-bit message of that slice; a reply is the 1-bit
+    message of the weighted mean of the shard's messages plus the residual, and its residual
+    is what that reply missed."""
+    torch.manual_seed(5)
+    mean = ShardedSignMean(45, 3, 8)
+    assert mean.length == 16 and mean.real == [16, 16, 13]
+    wire = SignMessage(16, 8)
+
+    def ones(x):
+        return wire.decode(wire.encode(x), x.numel())
+
+    vectors = [torch.randn(45) for _ in range(3)]
+    outgoing = [mean.encode(v) for v in vectors]
+    for v, messages in zip(vectors, outgoing):
+        assert torch.equal(
+            mean.decode(messages), torch.cat([ones(v[a : a + 16]) for a in (0, 16, 32)])
+        )
+    weights, replies = [2.0, 0.0, 6.0], []
+    for shard, start in enumerate((0, 16, 32)):
+        k = mean.real[shard]
+        residual = torch.zeros(16)
+        residual[:k] = torch.randn(k)
+        incoming = torch.stack([messages[shard] for messages in outgoing])
+        reply, missed = mean.reply(incoming, weights, shard, residual)
+        want = (
+            residual[:k]
+            + (2 * ones(vectors[0][start : start + k]) + 6 * ones(vectors[2][start : start + k]))
+            / 8
+        )
+        torch.testing.assert_close(wire.decode(reply, k), ones(want))
+        torch.testing.assert_close(missed[:k], want - ones(want))
+        assert not missed[k:].any()
+        replies.append(reply)
+    assert mean.decode(replies).shape == (45,)
 
 
 def test_recovery_state_travels_as_safetensors_and_json():

@@ -18,9 +18,11 @@ is lost but the unfinished inner steps.
 
 Pseudo-gradients travel as ``outer_compress`` says, with the same wire formats as the
 synchronous exchanges (teralm.train.compression): ``none`` (one all-reduce of fp32 values),
-``onebit`` (signs with one scale per block) or ``demo`` (each tensor's top-k DCT components per
-chunk, e4m3 values, Elias-Fano indices). The compressed ones all-gather one message per worker
-and keep what their message missed (error feedback), to add to their next pseudo-gradient.
+``onebit`` (signs with one scale per block, in the synchronous ``onebit``'s two stages: an
+all-to-all of shards, an all-gather of each worker's 1-bit mean of its shard) or ``demo`` (each
+tensor's top-k DCT components per chunk, e4m3 values, Elias-Fano indices, one message per worker
+all-gathered). The compressed ones keep what their messages missed (error feedback), to add to
+their next pseudo-gradient.
 
 With ``outer_async`` = s > 0 (TScale's asynchronous mode) a round's exchange runs while the next
 round trains: at each boundary a worker applies the previous round's average, scaled by s
@@ -33,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import math
 import os
 import socket
 import subprocess
@@ -45,10 +46,10 @@ from urllib.parse import urlparse
 
 import torch
 from torch.distributed import TCPStore
-from torch.distributed.distributed_c10d import AllgatherOptions, ReduceOp
+from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions, ReduceOp
 
 from teralm.model import checkpoint
-from teralm.train.compression import DCTMessage, DCTTopK, SignMessage
+from teralm.train.compression import DCTMessage, DCTTopK, ShardedSignMean
 from teralm.train.config import TrainConfig
 from teralm.train.distributed import Traffic
 
@@ -103,6 +104,44 @@ class MeanExchange:
 
         return Receipt(finish)
 
+    def _all_gather(self, message: torch.Tensor) -> tuple[list[torch.Tensor], object]:
+        """Start an all-gather of one ``message`` (uint8) a worker: the parts it fills, and its
+        work (None when a peer is gone)."""
+        workers = self.manager.num_participants()
+        parts = [torch.empty_like(message) for _ in range(workers)]
+        opts = AllgatherOptions()
+        work = self._start(lambda: self.pg.allgather([parts], [message], opts))
+        self.traffic.all_gathered(message.numel(), workers)
+        return parts, work
+
+    def _all_to_all(self, rows: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """Start an all-to-all of ``rows`` [workers, n] (uint8; row ``j`` to worker ``j``): the
+        rows it fills (row ``r`` from worker ``r``), and its work."""
+        out = torch.empty_like(rows)
+        work = self._start(lambda: self.pg.alltoall_base(out, rows, [], [], AllToAllOptions()))
+        self.traffic.all_to_all(rows.numel(), rows.shape[0])
+        return out, work
+
+    def _start(self, collective: Callable[[], object]):
+        if self.manager.errored():
+            return None
+        try:
+            return collective()
+        except Exception as e:  # a peer gone while the collective starts
+            self.manager.report_error(e)
+            return None
+
+    def _finished(self, work) -> bool:
+        """Wait for ``work``: whether it completed (a failure is reported to the manager)."""
+        if work is None:
+            return False
+        try:
+            work.wait()
+        except Exception as e:
+            self.manager.report_error(e)
+            return False
+        return True
+
     def commit(self) -> None:
         """The round counted: keep what this worker's message missed (compressed exchanges)."""
 
@@ -133,29 +172,13 @@ class GatheredExchange(MeanExchange):
         ]  # fmt: skip
         body, sent = self.encode(corrected)
         self._pending = [c - s for c, s in zip(corrected, sent)] if weight else self.residual
-        message = torch.cat([torch.tensor([weight], dtype=torch.float32).view(torch.uint8), body])
-        workers = self.manager.num_participants()
-        parts = [torch.empty_like(message) for _ in range(workers)]
-        try:
-            work = (
-                None
-                if self.manager.errored()
-                else self.pg.allgather([parts], [message], AllgatherOptions())
-            )
-        except Exception as e:  # a peer gone while the collective starts
-            self.manager.report_error(e)
-            work = None
-        self.traffic.all_gathered(message.numel(), workers)
+        message = torch.cat([_header(weight), body])
+        parts, work = self._all_gather(message)
 
         def finish():
-            if work is None:
+            if not self._finished(work):
                 return None
-            try:
-                work.wait()
-            except Exception as e:
-                self.manager.report_error(e)
-                return None
-            weights = [float(p[:HEADER_BYTES].view(torch.float32)) for p in parts]
+            weights = [_weight(p) for p in parts]
             return self.average([p[HEADER_BYTES:] for p in parts], weights, deltas)
 
         return Receipt(finish)
@@ -182,25 +205,55 @@ class GatheredExchange(MeanExchange):
         self._pending = None
 
 
-class SignExchange(GatheredExchange):
-    """``onebit``: the pseudo-gradient as 1-bit signs, one mean magnitude per ``block``."""
+class SignExchange(MeanExchange):
+    """``onebit``: the pseudo-gradients' mean in 1-bit messages of two stages, as the
+    synchronous ``onebit`` sends gradients (``ShardedSignMean``): an all-to-all of every
+    worker's message of each shard (its weight riding with each), then an all-gather of each
+    worker's reply for its shard. Error feedback on both sides: a worker keeps what its own
+    message missed, and what its reply missed for as long as the quorum (its size and this
+    worker's place in it, which fix the shards) stays the same."""
 
     def __init__(self, manager, pg, traffic: Traffic, block: int):
         super().__init__(manager, pg, traffic)
         self.block = block
+        self.residual: torch.Tensor | None = None
+        self.shard_residual: tuple[tuple[int, int], torch.Tensor] | None = None  # with its place
+        self._pending: dict = {}
 
-    def _wire(self, like: list[torch.Tensor]) -> tuple[SignMessage, int]:
-        n = sum(d.numel() for d in like)
-        return SignMessage(math.ceil(n / self.block) * self.block, self.block), n
+    def send(self, deltas: list[torch.Tensor], weight: float) -> Receipt:
+        flat = torch.cat([d.reshape(-1) for d in deltas])
+        corrected = flat if self.residual is None else flat + self.residual
+        place = (self.manager.num_participants(), self.manager.participating_rank())
+        mean = ShardedSignMean(flat.numel(), place[0], self.block)
+        outgoing = mean.encode(corrected)
+        if weight:
+            self._pending["residual"] = corrected - mean.decode(outgoing)
+        rows = torch.cat([_header(weight).expand(place[0], HEADER_BYTES), outgoing], 1)
+        incoming, work = self._all_to_all(rows)
 
-    def encode(self, corrected):
-        wire, n = self._wire(corrected)
-        message = wire.encode(torch.cat([c.reshape(-1) for c in corrected]))
-        return message, _unflatten(wire.decode(message, n), corrected)
+        def finish():
+            if not self._finished(work):
+                return None
+            weights = [_weight(r) for r in incoming]
+            if sum(weights) <= 0:
+                return None
+            held = self.shard_residual
+            residual = held[1] if held and held[0] == place else torch.zeros(mean.length)
+            reply, missed = mean.reply(incoming[:, HEADER_BYTES:], weights, place[1], residual)
+            replies, work2 = self._all_gather(reply)
+            if not self._finished(work2):
+                return None
+            self._pending["shard_residual"] = (place, missed)
+            return _unflatten(mean.decode(replies), deltas)
 
-    def decode(self, message, like):
-        wire, n = self._wire(like)
-        return _unflatten(wire.decode(message, n), like)
+        return Receipt(finish)
+
+    def commit(self) -> None:
+        self.residual = self._pending.pop("residual", self.residual)
+        self.shard_residual = self._pending.pop("shard_residual", self.shard_residual)
+
+    def discard(self) -> None:
+        self._pending.clear()
 
 
 class DCTExchange(GatheredExchange):
@@ -225,6 +278,15 @@ class DCTExchange(GatheredExchange):
     def decode(self, message, like):
         tiles = self.wire.coefficients(message)
         return [self.compression.inverse(t, d.shape) for t, d in zip(tiles, like)]
+
+
+def _header(weight: float) -> torch.Tensor:
+    """A message's first bytes: the sender's weight."""
+    return torch.tensor([weight], dtype=torch.float32).view(torch.uint8)
+
+
+def _weight(message: torch.Tensor) -> float:
+    return float(message[:HEADER_BYTES].view(torch.float32))
 
 
 def _unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:

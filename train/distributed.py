@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel
 
-from teralm.train.compression import SignMessage
+from teralm.train.compression import ShardedSignMean
 from teralm.train.config import COMMS, TrainConfig
 
 
@@ -189,41 +189,28 @@ class AllReduce(Exchange):
 
 
 class OneBitMean:
-    """The ranks' mean of a vector through 1-bit messages, with error feedback on both sides:
-    every rank keeps the ``residual`` its own message missed, and, for the shard it averages,
-    the ``shard_residual`` that its message of the mean missed; both are added back the next
-    time."""
+    """The ranks' mean of a vector through 1-bit messages (``ShardedSignMean``), with error
+    feedback on both sides: every rank keeps the ``residual`` its own message missed, and, for
+    the shard it averages, the ``shard_residual`` that its reply missed; both are added back the
+    next time."""
 
     def __init__(self, world: World, block: int, traffic: Traffic):
         self.world, self.block, self.traffic = world, block, traffic
         self.residual: torch.Tensor | None = None
         self.shard_residual: torch.Tensor | None = None
 
-    def _shards(self, n: int) -> tuple[int, list[int]]:
-        """The length of a shard (whole blocks) and how many real values each one holds."""
-        length = math.ceil(n / self.world.size / self.block) * self.block
-        return length, [min(max(n - j * length, 0), length) for j in range(self.world.size)]
-
     def __call__(self, values: torch.Tensor) -> torch.Tensor:
         """The decoded mean of every rank's ``values`` (fp32, of one length on all ranks)."""
         corrected = values if self.residual is None else values + self.residual
-        n, W, rank = corrected.numel(), self.world.size, self.world.rank
-        length, real = self._shards(n)
-        wire = SignMessage(length, self.block)
-        pieces = [corrected[j * length : j * length + real[j]] for j in range(W)]
-        outgoing = torch.stack([wire.encode(x) for x in pieces])
-        self.residual = corrected - torch.cat(
-            [wire.decode(m, k) for m, k in zip(outgoing, real)]
-        )  # fmt: skip
+        W, rank = self.world.size, self.world.rank
+        mean = ShardedSignMean(corrected.numel(), W, self.block)
+        outgoing = mean.encode(corrected)
+        self.residual = corrected - mean.decode(outgoing)
         incoming = all_to_all(outgoing, self.world, self.traffic)
-        mean = sum(wire.decode(m, real[rank]) for m in incoming) / W
-        if self.shard_residual is None:  # a whole shard on every rank, zeros past the values
-            self.shard_residual = torch.zeros(length, device=mean.device)
-        mean += self.shard_residual[: real[rank]]
-        reply = wire.encode(mean)
-        self.shard_residual[: real[rank]] = mean - wire.decode(reply, real[rank])
-        replies = all_gather(reply, self.world, self.traffic)
-        return torch.cat([wire.decode(m, k) for m, k in zip(replies, real)])
+        if self.shard_residual is None:
+            self.shard_residual = torch.zeros(mean.length, device=corrected.device)
+        reply, self.shard_residual = mean.reply(incoming, [1.0] * W, rank, self.shard_residual)
+        return mean.decode(all_gather(reply, self.world, self.traffic))
 
     def local_state(self) -> dict[str, torch.Tensor]:
         if self.residual is None:
