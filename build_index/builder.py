@@ -115,13 +115,9 @@ def _index_files(out: Path) -> list[Path]:
 
 
 def _prepare_out(config: BuildConfig) -> None:
+    """Clear what ``--force`` or a killed run leaves; the caller holds the folder's lock."""
     out = config.out
-    if out.exists() and not out.is_dir():
-        raise BuildError(f"--out {out} exists and is not a folder")
-    if not out.exists():
-        out.mkdir(parents=True)
-        return
-    entries = list(out.iterdir())
+    entries = [p for p in out.iterdir() if p.name != fmt.LOCK]
     ours = _index_files(out)
     if entries and not (out / fmt.CATALOG).exists():
         raise BuildError(
@@ -231,18 +227,22 @@ def build(config: BuildConfig) -> BuildResult:
     if config.cluster is not None:  # the same path on every machine of the shared filesystem
         config = replace(config, out=config.out.absolute())
     source = resolve_source(config.source, config.text_field)
-    _prepare_out(config)
     out = config.out
-    catalog = Catalog(out / fmt.CATALOG)
-    try:
-        params = config.params(source.fingerprint())
-        _check_params(catalog, params, out)
-        if (out / fmt.MANIFEST).exists():
-            return BuildResult(fmt.read_manifest(out), [])
-        with _units_on_cluster(config.cluster):
-            return _build_passes(config, source, kind, vocab, catalog, params)
-    finally:
-        catalog.close()
+    if out.exists() and not out.is_dir():
+        raise BuildError(f"--out {out} exists and is not a folder")
+    out.mkdir(parents=True, exist_ok=True)
+    with fmt.folder_lock(out, "build-index"):
+        _prepare_out(config)
+        catalog = Catalog(out / fmt.CATALOG)
+        try:
+            params = config.params(source.fingerprint())
+            _check_params(catalog, params, out)
+            if (out / fmt.MANIFEST).exists():
+                return BuildResult(fmt.read_manifest(out), [])
+            with _units_on_cluster(config.cluster):
+                return _build_passes(config, source, kind, vocab, catalog, params)
+        finally:
+            catalog.close()
 
 
 def _check_flags(config: BuildConfig) -> None:
@@ -488,6 +488,7 @@ def _finalize(
             "depth": layout.sort_depth,
             "files": order_checksums,
         },
+        "catalog": verify.catalog_checksum(catalog),
         "build": {
             **params,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

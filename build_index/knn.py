@@ -204,17 +204,29 @@ def _start(config: KnnBuildConfig, settings: dict) -> dict:
                 f"{out} holds a kNN datastore built with other settings ({', '.join(different)}); "
                 "choose another --out, or --force to replace it"
             )
-        shutil.rmtree(out)
-    elif out.exists() and any(out.iterdir()) and not config.force:
-        raise ValueError(f"{out} exists and is not a kNN datastore; choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
+        for p in _contents(out):  # all but the lock this build holds
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
     m = {"format": FORMAT, "version": VERSION, **settings, "shards": [], "complete": False}
     _write_manifest(out, m)
     return m
 
 
+def _contents(out: Path) -> list[Path]:
+    return [p for p in out.iterdir() if p.name != fmt.LOCK]
+
+
 def build_knn(config: KnnBuildConfig) -> KnnBuildResult:
-    """Build (or resume) the datastore; ValueError with a user message when it cannot."""
+    """Build (or resume) the datastore; ValueError with a user message when it cannot (a
+    FolderBusy at once when another build holds ``out``)."""
+    out = config.out
+    if out.is_dir() and not (out / MANIFEST).exists() and _contents(out) and not config.force:
+        raise ValueError(f"{out} exists and is not a kNN datastore; choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    with fmt.folder_lock(out, "build-knn"):
+        return _build_knn(config)
+
+
+def _build_knn(config: KnnBuildConfig) -> KnnBuildResult:
     faiss = import_faiss()
     began = time.perf_counter()
     ix = Index.open(config.index)
@@ -224,8 +236,7 @@ def build_knn(config: KnnBuildConfig) -> KnnBuildResult:
         precision = _resumed_precision(config.out) or precision
     model, state, choice = load_model(config.run, device, precision)
     check_tokenizer(state, ix)
-    trained_on = {k: v for k, v in (state.get("index") or {}).items() if k != "directory"}
-    if trained_on != index_identity(ix):
+    if not state.get("index") or ix.differs_from(state["index"]):
         raise ValueError(f"the run was trained on another index than {config.index}")
     holdout = state["config"]["train"]["holdout_every"]
     seq_len, dim = model.cfg.max_seq_len, model.cfg.d_model

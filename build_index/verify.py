@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from teralm.build_index.layout import Layout
 from teralm.index import format as fmt
-from teralm.index.catalog import Catalog
+from teralm.index.catalog import DOC_PREFIX, Catalog
 from teralm.index.reader import decode_features, open_match
 from teralm.kernels import match as km
 
@@ -177,18 +177,29 @@ def check_contents(layout: Layout) -> list[str]:
     return [p for p in problems if p]
 
 
-def check_catalog(directory: Path, num_documents: int) -> list[str]:
-    """The catalog opens and holds a record of the last document."""
-    last = num_documents - 1
+def catalog_checksum(catalog: Catalog) -> dict:
+    """The manifest's record of the catalog's documents (their number and one sha256)."""
+    documents, sha256 = catalog.digest(DOC_PREFIX)
+    return {"documents": documents, "sha256": sha256}
+
+
+def check_catalog(directory: Path, manifest: dict) -> list[str]:
+    """The catalog opens and its document records are those the manifest's checksum covers
+    (an index of an older teralm has none: there, a record of the last document)."""
     try:
         catalog = Catalog(Path(directory) / fmt.CATALOG, readonly=True)
         try:
-            found = catalog.document(last) is not None
+            if "catalog" not in manifest:
+                last = manifest["num_documents"] - 1
+                found = catalog.document(last) is not None
+                return [] if found else [f"{fmt.CATALOG}: no record of document {last}"]
+            if catalog_checksum(catalog) != manifest["catalog"]:
+                return [f"{fmt.CATALOG}: the document records differ from the manifest's checksum"]
+            return []
         finally:
             catalog.close()
     except lmdb.Error as e:
         return [f"{fmt.CATALOG}: {e}"]
-    return [] if found else [f"{fmt.CATALOG}: no record of document {last}"]
 
 
 def verify_index(
@@ -206,7 +217,7 @@ def verify_index(
         return problems
     layout = Layout.from_manifest(directory, manifest)
     contents = check_contents(layout)
-    problems = contents + check_catalog(directory, manifest["num_documents"])
+    problems = contents + check_catalog(directory, manifest)
     if checksums:
         problems += check_checksums(layout, manifest, progress)
     if not contents:  # the sampled checks follow the order's entries and document starts

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,8 +17,11 @@ def unit_key(kind: str, i: int) -> str:
     return f"{kind}/{i:010d}"
 
 
+DOC_PREFIX = b"doc/"
+
+
 def doc_key(doc_id: int) -> bytes:
-    return b"doc/" + doc_id.to_bytes(8, "big")
+    return DOC_PREFIX + doc_id.to_bytes(8, "big")
 
 
 class Catalog:
@@ -70,6 +74,21 @@ class Catalog:
                 if not key.startswith(prefix):
                     break
                 yield key, json.loads(raw)
+
+    def digest(self, prefix: bytes) -> tuple[int, str]:
+        """How many records have keys starting with ``prefix``, and one sha256 of their keys
+        and values as stored, in key order."""
+        digest, count = hashlib.sha256(), 0
+        with self.env.begin() as txn:
+            cursor = txn.cursor()
+            if cursor.set_range(prefix):
+                for key, raw in cursor:
+                    if not key.startswith(prefix):
+                        break
+                    for part in (key, raw):
+                        digest.update(len(part).to_bytes(8, "little") + part)
+                    count += 1
+        return count, digest.hexdigest()
 
     def document(self, doc_id: int) -> dict | None:
         """``{"start", "length", "source"}`` of one document."""

@@ -21,6 +21,7 @@ are refused with a request to rebuild):
 - ``order.buckets``: uint64[65537]: where each bucket (the leading 16 bits of the sort key)
   starts in the order; searches start there.
 - ``catalog.lmdb``: documents (start, length, source) and build progress records.
+- ``.lock``: held (``flock``) by the one build writing the folder, and naming it.
 
 Sort key of position ``t``: its reversed context ``x[t], x[t-1], ...`` back to the start of its
 document, followed by the separator value ``manifest["separator"]`` (a value no token takes). A
@@ -33,10 +34,13 @@ per shard inside the range of its first ``sort_depth`` tokens.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+import socket
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +52,7 @@ MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
 DOCUMENT_OFFSETS = "documents.offsets"
 CATALOG = "catalog.lmdb"
+LOCK = ".lock"
 BUCKET_DTYPE = np.dtype("<u8")
 NUM_BUCKETS = 1 << 16
 FILE_KINDS = ("tokens", "match")
@@ -205,6 +210,33 @@ def read_manifest(directory: Path) -> dict:
     if problem:
         raise damaged(directory, f"{MANIFEST}: {problem}")
     return manifest
+
+
+class FolderBusy(ValueError):
+    """Another process is writing the folder."""
+
+
+@contextlib.contextmanager
+def folder_lock(directory: Path, job: str) -> Iterator[None]:
+    """Hold ``directory`` (which exists) for one writer while the block runs: an exclusive
+    ``flock`` on its ``.lock`` file, which names the holder. FolderBusy at once, naming the
+    holder, when another process holds it (on a shared filesystem too: Linux's NFS client
+    turns ``flock`` into a lock the server keeps)."""
+    fd = os.open(Path(directory) / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
+            raise FolderBusy(
+                f"{directory} is in use by {holder}; wait for it to end, or stop it, "
+                "and run this again (or choose another --out)"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{job} (pid {os.getpid()} on {socket.gethostname()})\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock; the file stays (removing it would race a waiter)
 
 
 class IndexDamaged(ValueError):

@@ -150,7 +150,7 @@ class KnnDatastore:
                 f"{directory}: the kNN build did not finish; run the same build-knn command "
                 "again to resume it"
             )
-        if m["index"] != index_identity(ix):
+        if ix.differs_from(m["index"]):
             raise ValueError(f"{directory} was built from another token index than {ix.directory}")
         if m["weights_sha256"] != weights_sha256:
             raise ValueError(

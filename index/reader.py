@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -116,7 +117,14 @@ class Index:
             "vocab_size": m["vocab_size"],
             "num_tokens": m["num_tokens"],
             "max_match": m["max_match"],
+            "tokens_sha256": tokens_digest(m),
         }
+
+    def differs_from(self, recorded: dict) -> list[str]:
+        """The fields of ``recorded`` (an ``identity`` saved earlier) that this index does not
+        share; where it lies is not compared, nor what a record from an older teralm lacks."""
+        here = self.identity()
+        return [k for k, v in recorded.items() if k != "directory" and here.get(k, v) != v]
 
     def encode(self, text: str | bytes) -> np.ndarray:
         return self.tokenizer.encode(text)
@@ -193,6 +201,14 @@ class Index:
                 self.directory, k, self.stream.sizes[k], self.stream.dtype, "r"
             )
         return self._match[k]
+
+
+def tokens_digest(manifest: dict) -> str:
+    """One sha256 of the index's token stream, from its shards' recorded checksums."""
+    digest = hashlib.sha256()
+    for shard in manifest["shards"]:
+        digest.update(shard["files"]["tokens"]["sha256"].encode())
+    return digest.hexdigest()
 
 
 def open_match(directory: Path, k: int, n: int, dtype, mode: str) -> tuple[np.ndarray, np.ndarray]:

@@ -129,6 +129,12 @@ def add_parsers(sub) -> None:
         help="also mix in this kNN datastore (build-knn); scores the held-out documents that "
         "its calibration did not see",
     )
+    e.add_argument(
+        "--allow-other-index",
+        action="store_true",
+        help="score with an index other than the run's training one (its held-out documents "
+        "may hold training text: the score is then not a held-out one)",
+    )
     e.add_argument("--quiet", action="store_true")
     _add_precision(e)
 
@@ -404,6 +410,13 @@ def _eval(args: argparse.Namespace) -> int:
         model, state = _load(args, device)
         if model.cfg.vocab_size != ix.vocab_size:
             raise ValueError("the run's vocabulary differs from the index's")
+        other = ix.differs_from(state.get("index") or {})
+        if other and not args.allow_other_index:
+            raise ValueError(
+                f"{args.index} is not the index the run was trained on ({', '.join(other)} "
+                "differ), so its held-out documents may hold training text; score with the "
+                "training index, or add --allow-other-index for a score that is not held-out"
+            )
         holdout = state["config"]["train"]["holdout_every"]
         knn = _open_knn(args, ix)
 
@@ -421,13 +434,14 @@ def _eval(args: argparse.Namespace) -> int:
     byte_level = ix.manifest["tokenizer"] == "bytes"
     result = summarize(scores, ix.vocab_size, byte_level, calibration, lam)
     result["lambda_from"] = "validation" if split else "the scored text (no validation documents)"
+    result["held_out"] = not other
     if args.json:
         print(json.dumps(result))
         return 0
     unit, which = result["metric"], "the test half of the " if split else ""
     print(
-        f"held-out {unit} on {result['tokens']:,} tokens ({which}documents with id % {holdout} "
-        "== 0)"
+        f"{'held-out' if not other else 'NOT held-out (another index than the training one)'} "
+        f"{unit} on {result['tokens']:,} tokens ({which}documents with id % {holdout} == 0)"
     )
     served = "model" if model.mixture_gate is None else "model + ∞-gram as served"
     rows = [(served, result["model"])]

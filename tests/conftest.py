@@ -7,6 +7,7 @@ import io
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,33 @@ def cli_here(*args) -> subprocess.CompletedProcess:
         except SystemExit as e:  # argparse's usage errors
             code = e.code
     return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
+HOLD_LOCK = """
+import sys
+from teralm.index.format import folder_lock
+with folder_lock(sys.argv[1], "a test's holder"):
+    print("held", flush=True)
+    sys.stdin.readline()
+"""
+
+
+@contextlib.contextmanager
+def folder_held(folder: Path):
+    """Another process holds ``folder``'s writer lock while the block runs: its pid."""
+    folder.mkdir(parents=True, exist_ok=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(folder)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        yield holder.pid
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
 
 
 def random_documents(

@@ -13,8 +13,8 @@ import lmdb
 import numpy as np
 import psutil
 import pytest
-from conftest import write_jsonl
-from test_cli import assert_clean_failure, content_files, run_cli
+from conftest import folder_held, write_jsonl
+from test_cli import ENV, assert_clean_failure, content_files, run_cli
 
 from teralm.build_index import BuildConfig, build, features
 from teralm.build_index.sources import SourceError
@@ -200,6 +200,30 @@ def test_dead_worker_stops_the_build_with_a_message(tmp_path):
         pytest.fail("the build waited forever for a dead worker")
     assert result.returncode == 1, result.stderr
     assert "worker" in result.stdout and "run the same command again" in result.stdout
+
+
+def test_a_second_build_of_one_out_is_refused_at_once(tmp_path, reference):
+    """While one process writes ``--out``, a build into it is refused with one line naming
+    that process, and writes nothing; two builds started together give the index one build
+    gives (one builds, the other is refused or finds it complete)."""
+    source, index = reference
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable, "-m", "teralm.cli", "build-index", str(source), "--out", str(out),
+        "--shard-tokens", str(SHARD_TOKENS), "--workers", "2", "--verify-samples", "0", "--quiet",
+    ]  # fmt: skip
+    with folder_held(out) as holder:
+        refused = run_cli(*cmd[3:])
+    assert_clean_failure(refused, out, f"pid {holder}", "in use")
+    assert refused.stderr.count("\n") == 1 and [p.name for p in out.iterdir()] == [fmt.LOCK]
+    racing = [subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=ENV) for _ in range(2)]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in racing]
+    assert any(code == 0 for code, _ in results), results
+    for code, stderr in results:
+        assert code == 0 or ("in use by build-index (pid" in stderr and "Traceback" not in stderr)
+    assert content_files(out) == content_files(index)
+    verified = run_cli("verify-index", out)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
 
 
 @pytest.mark.parametrize("flag", ["--verify-samples=-1", "--workers=0", "--max-match=0"])

@@ -148,6 +148,29 @@ def test_query_of_damaged_index_exits_with_one_line(index_dir, damage, capsys):
     assert "FAIL" in verify_output(index_dir, capsys)
 
 
+def _source_byte(directory: Path) -> tuple[Path, int]:
+    """The data file of the catalog and the offset of a digit of a document's source name."""
+    data = directory / "catalog.lmdb" / "data.mdb"
+    at = data.read_bytes().find(b'"source": "') + len(b'"source": "')
+    assert at > 20
+    return data, at
+
+
+@pytest.mark.parametrize("where", ["source name", "page header"])
+def test_verify_checks_the_catalogs_content(index_dir, where, capsys):
+    """A changed source name (still valid JSON) or a broken page of ``catalog.lmdb`` is found
+    by verify-index (the manifest holds the document records' checksum)."""
+    data, at = _source_byte(index_dir)
+    raw = bytearray(data.read_bytes())
+    if where == "source name":
+        raw[at] = ord("7") if raw[at] != ord("7") else ord("8")
+    else:
+        page = at // 4096 * 4096
+        raw[page : page + 16] = b"\xa5" * 16
+    data.write_bytes(bytes(raw))
+    assert "FAIL catalog.lmdb" in verify_output(index_dir, capsys)
+
+
 def test_follower_outside_vocabulary_is_refused(built_bpe, tmp_path, capsys):
     directory = Path(shutil.copytree(built_bpe, tmp_path / "index"))
     ix = Index.open(directory)

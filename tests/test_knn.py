@@ -8,11 +8,12 @@ import math
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import build_docs, random_documents
+from conftest import build_docs, folder_held, random_documents
 from serving import request, serve_in_thread
 
 pytest.importorskip("faiss")
@@ -59,6 +60,10 @@ def corpus(tmp_path_factory):
 def trained(corpus):
     """A tiny model trained on the corpus with the index, loaded in fp32."""
     return train_tiny(*corpus, "run")
+
+
+def corpus_file(trained) -> Path:
+    return trained["ix"].directory.parent / "corpus.jsonl"
 
 
 def knn_config(trained, out, **kwargs) -> build.KnnBuildConfig:
@@ -211,6 +216,16 @@ def test_mismatched_run_index_or_settings_are_refused(trained, flat, tmp_path):
         KnnDatastore.open(flat.directory, trained["ix"], "0" * 64)
     with pytest.raises(ValueError, match="another token index"):
         KnnDatastore.open(flat.directory, other, weights_sha256(trained["run"]))
+    same_shape = build_docs(  # the corpus with every "e" an "E": only its text differs
+        tmp_path / "same-shape",
+        [
+            json.loads(line)["text"].replace("e", "E")
+            for line in corpus_file(trained).read_text().splitlines()
+        ],
+    )
+    assert same_shape.num_tokens == trained["ix"].num_tokens
+    with pytest.raises(ValueError, match="another token index"):
+        KnnDatastore.open(flat.directory, same_shape, weights_sha256(trained["run"]))
     with pytest.raises(ValueError, match=r"other settings \(factory\)"):
         build.build_knn(knn_config(trained, flat.directory, factory="IVF4,Flat"))
 
@@ -246,6 +261,10 @@ def test_build_knn_and_eval_on_the_command_line(trained, tmp_path):
         )
 
     build = ("build-knn", run, "--index", index, "--out", out, "--shard-tokens", 2000)
+    with folder_held(out) as holder:
+        busy = cli(*build, "--quiet")
+    assert busy.returncode == 1 and f"in use by a test's holder (pid {holder}" in busy.stderr
+    assert busy.stderr.count("\n") == 1 and not (out / "knn.json").exists()
     made = cli(*build, "--factory", "IVF4,Flat", "--quiet")
     assert made.returncode == 0, made.stderr
     assert "shards merged" in made.stdout and "with kNN" in made.stdout

@@ -252,6 +252,15 @@ def test_eval_json_and_fp8_export(corpus, tmp_path):
     assert result["metric"] == "bpb" and result["tokens"] > 0
     assert result["lambda_from"] == "validation"  # λ chosen on other text than the scored
     assert result["interpolated_oracle"] <= min(result["model"], result["interpolated"]) + 1e-9
+    assert result["held_out"]
+    docs = random_documents(np.random.default_rng(11), 40, alphabet="abcd", max_len=200)
+    docs[0], docs[1] = docs[1], docs[0]  # training document 1 at held-out id 0, same size
+    other = build_docs(tmp_path / "other", docs, shard_tokens=500).directory
+    refused = run_cli("eval", run, "--index", other, "--json", "--quiet")
+    assert refused.returncode == 1 and "not the index the run was trained on" in refused.stderr
+    assert "tokens_sha256" in refused.stderr and "Traceback" not in refused.stderr
+    allowed = run_cli("eval", run, "--index", other, "--allow-other-index", "--quiet")
+    assert allowed.returncode == 0 and allowed.stdout.startswith("NOT held-out"), allowed.stderr
     exported = run_cli("export-fp8", run, "--out", tmp_path / "fp8")
     assert exported.returncode == 0, exported.stderr
     fp8 = json.loads(

@@ -103,8 +103,8 @@ def check_resumable(saved: dict, config: RunConfig, identity: dict) -> None:
             "the run was trained with other settings: "
             + ", ".join(sorted(set(changed) - RESUMABLE_CHANGES))
         )
-    for key in ("tokenizer", "tokenizer_sha256", "vocab_size", "num_tokens"):
-        if saved["index"].get(key) != identity[key]:
+    for key in ("tokenizer", "tokenizer_sha256", "vocab_size", "num_tokens", "tokens_sha256"):
+        if saved["index"].get(key, identity[key]) != identity[key]:  # older runs lack some
             raise ValueError(f"the run was trained on another index ({key} differs)")
 
 
