@@ -2,8 +2,11 @@
 
 A worker thread owns the model and a KV cache preallocated for ``max_batch`` sequences; running
 sequence ``i`` lives in cache slot ``i`` (a finished one's slot goes to the last running
-sequence). Each loop the engine admits waiting sequences (taking requests in turn; prompts that
-fit the window go through the model together, in one call per ``MAX_ROWS`` new tokens), samples
+sequence). Each loop the engine admits waiting sequences (requests take turns, and when the
+batch is full, a request holding more than its fair share gives places to waiting requests that
+hold less: the preempted sequence keeps a copy of its cache entries and goes on where it stopped
+when it is admitted again; prompts that fit the window go through the model together, in one
+call per ``MAX_ROWS`` new tokens), samples
 the next tokens of every running sequence, looks the newest up in the index (the online
 matcher, so the model sees the features it was trained with), then runs one batched
 forward of the new tokens with one batched ∞-gram query. A sequence whose context reached
@@ -29,7 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -91,6 +94,8 @@ class Sequence:
     drafts: list[Draft] = field(default_factory=list)
     matcher: OnlineMatcher | None = None
     generator: torch.Generator | None = None
+    request: int = -1  # which request it belongs to (the waiting room numbers them)
+    saved: tuple | None = None  # its cache entries while it waits after preemption
 
     def cancel(self) -> None:
         """Stop generating (client gone, stop string found, timeout); no more events."""
@@ -98,13 +103,15 @@ class Sequence:
 
 
 class WaitingRoom:
-    """Sequences waiting for a place in the batch, grouped by request. ``get`` takes one sequence
-    from each request in turn, so a request with many sequences cannot hold back the others."""
+    """Sequences waiting for a place in the batch, grouped by request. ``get`` takes the next
+    sequence of the waiting request that holds the fewest places (the earliest among equals),
+    so requests take turns, and one with many sequences cannot hold back the others."""
 
     def __init__(self):
-        self._requests: deque[deque[Sequence]] = deque()
+        self._requests: dict[int, deque[Sequence]] = {}  # in order of arrival
         self._changed = threading.Condition()
         self._size = 0
+        self._next_request = 0
 
     def __len__(self) -> int:
         return self._size
@@ -114,19 +121,35 @@ class WaitingRoom:
         if not seqs:
             return
         with self._changed:
-            self._requests.append(deque(seqs))
+            for seq in seqs:
+                seq.request = self._next_request
+            self._requests[self._next_request] = deque(seqs)
+            self._next_request += 1
             self._size += len(seqs)
             self._changed.notify()
 
-    def get(self, timeout: float) -> Sequence | None:
-        """The next request's next sequence; None if none came within ``timeout`` seconds."""
+    def put_back(self, seq: Sequence) -> None:
+        """Queue a sequence taken out of the batch first among its request's."""
+        with self._changed:
+            self._requests.setdefault(seq.request, deque()).appendleft(seq)
+            self._size += 1
+
+    def counts(self) -> dict[int, int]:
+        """How many sequences each waiting request has queued."""
+        with self._changed:
+            return {r: len(q) for r, q in self._requests.items()}
+
+    def get(self, timeout: float, held: Counter[int]) -> Sequence | None:
+        """The next sequence of the request with the fewest places ``held``; None if none
+        came within ``timeout`` seconds."""
         with self._changed:
             if not self._changed.wait_for(lambda: self._requests, timeout):
                 return None
-            request = self._requests.popleft()
-            seq = request.popleft()
-            if request:
-                self._requests.append(request)
+            request = min(self._requests, key=lambda r: held[r])
+            queue = self._requests[request]
+            seq = queue.popleft()
+            if not queue:
+                del self._requests[request]
             self._size -= 1
             return seq
 
@@ -253,21 +276,30 @@ class Engine:
                 self._decode()
 
     def _admit(self) -> None:
-        """Take waiting sequences into free slots. Prompts that fit the window (and are not
-        echoed) run through the model together, new tokens of up to ``MAX_ROWS`` of them a
-        call (``_prefill_group``); the others one by one (``_prefill``)."""
+        """Take waiting sequences into free slots (``_preempt`` frees some first when a waiting
+        request holds less than its share). Prompts that fit the window (and are not echoed)
+        run through the model together, new tokens of up to ``MAX_ROWS`` of them a call
+        (``_prefill_group``); the others one by one (``_prefill``); a preempted sequence gets
+        its cache entries back and goes on where it stopped."""
+        held = self._preempt()
         group: list[tuple[Sequence, int, int]] = []  # (sequence, slot, tokens found cached)
         group_rows = 0  # new tokens of the group's prompts
         while len(self.active) < self.max_batch:
             if self.active and not self.waiting:  # nothing to admit: no lock, no wait
                 break
-            seq = self.waiting.get(timeout=0.05 if not self.active else 0)
+            seq = self.waiting.get(0.05 if not self.active else 0, held)
             if seq is None:
                 break
             if seq.cancelled:
                 continue
             slot = len(self.active)
-            if seq.sampling.echo or len(seq.prompt) > self.model.cfg.max_seq_len:
+            held[seq.request] += 1
+            if seq.saved is not None:
+                self._prefill_group(group)
+                group, group_rows = [], 0
+                self.cache.restore(slot, seq.saved)
+                seq.saved = None
+            elif seq.sampling.echo or len(seq.prompt) > self.model.cfg.max_seq_len:
                 self._prefill_group(group)
                 group, group_rows = [], 0
                 self._try(seq, self._prefill, slot)
@@ -284,17 +316,45 @@ class Engine:
                 self.active.append(seq)
         self._prefill_group(group)
 
+    def _preempt(self) -> Counter[int]:
+        """Fair shares of a full batch: while a waiting request holds fewer than ``max_batch``
+        / (requests running or waiting) places, the request holding the most gives up its
+        newest sequence (its cache entries are kept with it, and it waits first among its
+        request's). So a new request gets places at the next step, whatever another asked for.
+        The places each request holds, after it."""
+        held = Counter(s.request for s in self.active)
+        if len(self.active) < self.max_batch or not self.waiting:
+            return held
+        waiting = self.waiting.counts()
+        share = max(1, self.max_batch // len(held.keys() | waiting.keys()))
+        wanted = sum(min(n, share - held[r]) for r, n in waiting.items() if held[r] < share)
+        for _ in range(wanted):
+            request, most = held.most_common(1)[0]
+            if most <= share:
+                break
+            slot = max(i for i, s in enumerate(self.active) if s.request == request)
+            seq = self.active[slot]
+            seq.saved = self.cache.save(slot)
+            self._release(slot)
+            held[request] -= 1
+            self.waiting.put_back(seq)
+        return held
+
     def _retire(self) -> None:
-        """Drop finished sequences; the last running one takes a freed slot."""
+        """Drop finished sequences."""
         i = 0
         while i < len(self.active):
             if not (self.active[i].done or self.active[i].cancelled):
                 i += 1
                 continue
-            last = self.active.pop()
-            if i < len(self.active):
-                self.cache.move(len(self.active), i)
-                self.active[i] = last
+            self._release(i)
+
+    def _release(self, slot: int) -> None:
+        """Take the sequence in ``slot`` out of the batch; the last running one takes the slot."""
+        last = self.active.pop()
+        if slot < len(self.active):
+            self.cache.move(len(self.active), slot)
+            self.active[slot] = last
 
     def _try(self, seq: Sequence, work: Callable, *args):
         """``work(seq, *args)``'s answer; if it raises, that sequence ends with an error event

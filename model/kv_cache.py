@@ -70,6 +70,23 @@ class KVCache:
             for k, v in zip(self.keys, self.values)
         ]
 
+    def save(self, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A copy of slot ``slot``'s entries, per layer [heads, length, head_dim] (to ``restore``
+        later, in any slot)."""
+        n = int(self.lengths[slot])
+        return [k[slot, :, :n].clone() for k in self.keys], [
+            v[slot, :, :n].clone() for v in self.values
+        ]
+
+    def restore(self, slot: int, saved: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
+        """Put entries ``save`` copied into slot ``slot``."""
+        keys, values = saved
+        n = keys[0].shape[1]
+        for k, v, sk, sv in zip(self.keys, self.values, keys, values):
+            k[slot, :, :n] = sk
+            v[slot, :, :n] = sv
+        self.lengths[slot] = n
+
     def move(self, source: int, target: int) -> None:
         """Copy slot ``source`` into slot ``target`` (keeping running sequences in front)."""
         n = int(self.lengths[source])

@@ -208,6 +208,39 @@ def test_drafts_from_the_index_change_no_greedy_token_nor_logprob(
     assert ix.decode([e.token for e in drafted[0]]) == want
 
 
+@torch.no_grad()
+def test_a_request_gets_places_at_once_beside_one_that_fills_the_batch(tiny_run):
+    """A request of 8 long sequences fills a batch of 4; a request of 1 short sequence that
+    comes after gets a place at the next step (the long request gives one up) and finishes in
+    about its own number of steps; the preempted sequences go on where they stopped, so every
+    sequence gives the tokens it gives alone (greedy)."""
+    ix, model = tiny_run["ix"], tiny_run["model"]
+    prompts = [
+        [int(t) for t in ix.encode(p)] for p in ("ab", "ca", "bd", "da", "cc", "ba", "ad", "dc")
+    ]
+    long, short = Sampling(max_tokens=120, temperature=0), Sampling(max_tokens=6, temperature=0)
+    engine = Engine(model, ix, max_batch=4, speculate=0, prefix_cache=0)
+    try:
+        alone = generate_events(engine, [prompts[0]], short)[0]
+        events = [[] for _ in prompts]
+        engine.submit([Sequence(p, long, out.append) for p, out in zip(prompts, events)])
+        deadline = time.monotonic() + 60
+        while sum(map(len, events)) < 20 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        before = sum(map(len, events))
+        beside = generate_events(engine, [prompts[0]], short)[0]
+        steps = (sum(map(len, events)) - before) / 3  # the long request's steps meanwhile
+        while not all(e and e[-1].finish for e in events) and time.monotonic() < deadline + 120:
+            time.sleep(0.01)
+    finally:
+        engine.close()
+    assert before < 8 * 120 and steps <= 6 + 4, steps
+    assert [e.token for e in beside] == [e.token for e in alone]
+    for prompt, got in zip(prompts, events):
+        want = greedy(model, ix, ix.decode(prompt), 120)
+        assert ix.decode([e.token for e in got]) == want and got[-1].finish == "length"
+
+
 def reference_distribution(logp: torch.Tensor, s: Sampling) -> torch.Tensor:
     """Temperature, then the ``top_k`` most likely, then the fewest most likely tokens whose
     mass reaches ``top_p``, one token at a time in fp64."""
