@@ -234,9 +234,12 @@ def folder_lock(directory: Path, job: str) -> Iterator[None]:
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{job} (pid {os.getpid()} on {socket.gethostname()})\n".encode(), 0)
-        yield
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)  # named by no one; the file stays (removing it races a waiter)
     finally:
-        os.close(fd)  # releases the lock; the file stays (removing it would race a waiter)
+        os.close(fd)  # releases the lock
 
 
 class IndexDamaged(ValueError):
