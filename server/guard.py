@@ -1,19 +1,23 @@
 """What stands in front of the routes: the API key (a FastAPI security dependency, so that the
-OpenAPI document shows it), and an ASGI middleware that holds bodies to their size limit and
-counts every response for ``/metrics``."""
+OpenAPI document shows it), an ASGI middleware that holds bodies to their size limit and
+counts every response for ``/metrics``, and uvicorn's HTTP protocol with a deadline for each
+request's headers (``http_config``)."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import Annotated
 
+import uvicorn
 from fastapi import Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry, Counter, Summary
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from teralm.server.protocol import ApiError, error_response
 
@@ -62,9 +66,13 @@ class BodyTooLarge(Exception):
     pass
 
 
+CLIENT_LEFT = 499  # as nginx and vLLM count a request whose client hung up before its answer
+
+
 class Guard:
     """Answers 413 for a body over ``max_body_bytes``, counted as it arrives, so a chunked body
-    is held to the limit too; otherwise hands the app the body it read. Counts every response."""
+    is held to the limit too; otherwise hands the app the body it read. Counts every response,
+    as ``CLIENT_LEFT`` when the client hung up before its response was whole."""
 
     def __init__(self, app: ASGIApp, metrics: RequestMetrics, max_body_bytes: int):
         self.app, self.metrics, self.max_body_bytes = app, metrics, max_body_bytes
@@ -72,21 +80,30 @@ class Guard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        began, status = time.perf_counter(), None
+        began, status, whole, left = time.perf_counter(), None, False, False
 
         async def send_counted(message: Message) -> None:
-            nonlocal status
+            nonlocal status, whole
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                whole = True
             await send(message)
 
+        async def receive_watched() -> Message:
+            nonlocal left
+            message = await receive()
+            left = left or (message["type"] == "http.disconnect" and not whole)
+            return message
+
         try:
-            await self._serve(scope, receive, send_counted)
+            await self._serve(scope, receive_watched, send_counted)
         except Exception:
             status = 500  # the app's exception handler answers outside this middleware
             raise
         finally:
-            if status is not None:  # None: the client left before a response
+            if left or status is not None:
+                status = CLIENT_LEFT if left else status
                 self.metrics.record(status, time.perf_counter() - began)
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -126,3 +143,63 @@ def _replay(body: bytes, receive: Receive) -> Receive:
         return pending.pop() if pending else await receive()
 
     return receive_again
+
+
+HEADER_TIMEOUT_S = 10.0  # for a request's headers, from the connection or the last response
+KEEP_ALIVE_S = 5.0  # an idle connection after a response (uvicorn's own timer)
+
+
+class HeaderDeadline(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection whose next request's headers are not all in
+    ``header_timeout`` seconds after it opened or after its last response: an idle socket, or
+    one that sends its headers a byte at a time, is not kept open for as long as it likes."""
+
+    header_timeout = HEADER_TIMEOUT_S
+    _deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not None and not self.cycle.response_complete:  # headers are in
+            self._disarm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(self.header_timeout, self._expire)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expire(self) -> None:
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+def http_config(
+    app: ASGIApp, host: str, port: int, header_timeout: float = HEADER_TIMEOUT_S
+) -> uvicorn.Config:
+    """The uvicorn server settings of ``teralm serve``: h11 with header deadlines, a short
+    keep-alive, warnings only."""
+    protocol = type("Deadline", (HeaderDeadline,), {"header_timeout": header_timeout})
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=protocol,
+        timeout_keep_alive=KEEP_ALIVE_S,
+        log_level="warning",
+    )

@@ -573,6 +573,7 @@ def _serve(args: argparse.Namespace) -> int:
     from teralm.infer.load import check_tokenizer
     from teralm.infer.precision import default_device, inference_threads
     from teralm.server.app import create_app
+    from teralm.server.guard import http_config
     from teralm.server.protocol import Limits
 
     try:
@@ -607,7 +608,7 @@ def _serve(args: argparse.Namespace) -> int:
             f"{mix['lam']:.2f}, temperature {mix['temperature']:.3g}",
             flush=True,
         )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.Server(http_config(app, args.host, args.port)).run()
     engine.close()
     return 0
 

@@ -20,6 +20,7 @@ from teralm.infer.engine import Engine
 from teralm.infer.mixture import infgram_probs, next_token_logp
 from teralm.model import Transformer
 from teralm.server.app import create_app
+from teralm.server.guard import HEADER_TIMEOUT_S, http_config
 from teralm.server.protocol import Limits
 
 KEY = "test-key-123"
@@ -69,13 +70,14 @@ def serve_in_thread(
     max_batch: int = 16,
     api_key: str | None = KEY,
     knn=None,
+    header_timeout: float = HEADER_TIMEOUT_S,
 ) -> Iterator[dict]:
     """``create_app`` over a real Engine (mixing in the kNN datastore ``knn``, if any), served
     by uvicorn on 127.0.0.1 in a thread."""
     engine = Engine(model, ix, max_batch=max_batch, knn=knn)
     app = create_app(engine, "teralm-test", limits, api_key)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(http_config(app, "127.0.0.1", port, header_timeout))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:

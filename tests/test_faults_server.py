@@ -3,6 +3,7 @@ chunked bodies, clients that leave, input that is not valid, a model that fails,
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import http.client
 import json
@@ -21,13 +22,16 @@ from teralm.infer.sampling import Sampling
 from teralm.server.protocol import Limits
 
 MAX_SEQUENCES = 32
+HEADER_TIMEOUT = 2.0
 
 
 @pytest.fixture(scope="module")
 def server(tiny_run):
     """Two places in the batch, so that long requests keep it full."""
     limits = Limits(max_tokens=400, max_sequences=MAX_SEQUENCES)
-    with serve_in_thread(tiny_run["model"], tiny_run["ix"], limits, max_batch=2) as served:
+    with serve_in_thread(
+        tiny_run["model"], tiny_run["ix"], limits, max_batch=2, header_timeout=HEADER_TIMEOUT
+    ) as served:
         yield served
         wait_until_idle(served["port"])
 
@@ -148,6 +152,37 @@ def test_a_small_request_beside_a_large_one_takes_about_as_long_as_alone(server)
     assert beside < 3 * alone, (beside, alone)
 
 
+def closed_by_server(sock: socket.socket, trickle: bytes, seconds: float = 30) -> bool:
+    """Send ``trickle`` a byte every 0.2 s (then nothing): whether the server closes the
+    connection within ``seconds``."""
+    sock.settimeout(0.2)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if sock.recv(1) == b"":
+                return True
+        except TimeoutError:
+            pass
+        except ConnectionResetError:
+            return True
+        if trickle:
+            with contextlib.suppress(OSError):
+                sock.send(trickle[:1])
+            trickle = trickle[1:]
+    return False
+
+
+@pytest.mark.parametrize("trickle", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x" * 20])
+def test_idle_and_slow_header_sockets_are_closed(server, trickle):
+    """A socket that sends no request, or sends its headers a byte at a time, is closed once
+    the header deadline passes; a request within it is answered as usual."""
+    with socket.create_connection(("127.0.0.1", server["port"])) as sock:
+        began = time.monotonic()
+        assert closed_by_server(sock, trickle)
+        assert time.monotonic() - began >= HEADER_TIMEOUT * 0.9
+    assert request(server["port"], "GET", "/health", key=None)[0] == 200
+
+
 def test_a_chunked_body_over_the_limit_is_refused_as_it_arrives(server):
     body = json.dumps({"prompt": "ab", "max_tokens": 1, "padding": "x" * (2 << 20)}).encode()
     conn = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=60)
@@ -163,9 +198,17 @@ def test_a_chunked_body_over_the_limit_is_refused_as_it_arrives(server):
     assert response.status == 413 and "over 1048576 bytes" in answer["error"]["message"]
 
 
+def count(port: int, code: str) -> float:
+    """Responses counted with status ``code`` by /metrics (0 before the first)."""
+    _, text = request(port, "GET", "/metrics")
+    name = f'teralm_requests_total{{code="{code}"}}'
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
 def test_a_client_that_leaves_before_a_whole_answer_stops_its_generation(server):
     port = server["port"]
     before = metric(port, "teralm_generated_tokens_total")
+    left = count(port, "499")
     asked = {"prompt": ["ab"] * 8, "n": 4, "max_tokens": 400}  # 32 sequences of 400 tokens
     payload = json.dumps(asked).encode()
     with socket.create_connection(("127.0.0.1", port)) as sock:
@@ -180,6 +223,10 @@ def test_a_client_that_leaves_before_a_whole_answer_stops_its_generation(server)
         assert metric(port, "teralm_active_sequences") > 0
     wait_until_idle(port)
     assert metric(port, "teralm_generated_tokens_total") - before < 32 * 400
+    deadline = time.time() + 30  # counted as the client's hang-up, not as an answer
+    while time.time() < deadline and count(port, "499") == left:
+        time.sleep(0.05)
+    assert count(port, "499") == left + 1
 
 
 @pytest.mark.parametrize(
