@@ -255,6 +255,11 @@ def _check_flags(config: BuildConfig) -> None:
         raise BuildError(f"--workers must be 1 or more, not {config.workers}")
     if config.verify_samples < 0:
         raise BuildError(f"--verify-samples must be 0 or more, not {config.verify_samples}")
+    if config.memory < MIN_MEMORY:
+        raise BuildError(
+            f"--memory {format_bytes(config.memory)} is less than a build needs at the least "
+            f"({format_bytes(MIN_MEMORY)}: two processes and a small shard's sort)"
+        )
 
 
 def _build_passes(config, source, kind, vocab, catalog, params) -> BuildResult:
@@ -387,6 +392,15 @@ def _numbered_job(i, layout, firsts, spans, global_start, chunk):
 
 
 WORKER_BYTES = 200 << 20  # a process before its work: Python, numpy, numba, teralm (~130 MB)
+MIN_MEMORY = 2 * WORKER_BYTES + (1 << 20)
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes as people read them: 1 B, 64 KiB, 401 MiB, 1.5 GiB."""
+    units, i = ("B", "KiB", "MiB", "GiB", "TiB"), 0
+    while n >= 1024 and i < len(units) - 1:
+        n, i = n / 1024, i + 1
+    return f"{n:,.0f} {units[i]}" if i < 3 else f"{n:,.1f} {units[i]}"
 
 
 def _work_memory(config: BuildConfig, workers: int) -> int:
@@ -401,8 +415,8 @@ def _sort_workers(layout: Layout, config: BuildConfig) -> int:
     need = prefix.SORT_BYTES_PER_TOKEN * context
     if need > _work_memory(config, 1):
         raise BuildError(
-            f"sorting one shard needs about {(need + 2 * WORKER_BYTES) / 2**20:,.0f} MiB, more "
-            f"than --memory {config.memory / 2**20:,.0f} MiB; give a smaller --shard-tokens or "
+            f"sorting one shard needs about {format_bytes(need + 2 * WORKER_BYTES)}, more "
+            f"than --memory {format_bytes(config.memory)}; give a smaller --shard-tokens or "
             "more --memory"
         )
     return _workers_for(config, need)

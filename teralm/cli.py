@@ -62,6 +62,9 @@ def _default_out(source: str) -> Path:
     return Path("indexes") / name
 
 
+SMALL_SHARD = 1 << 16  # below this, per-shard costs dominate a build
+
+
 def _fail(prog: str, message: str) -> int:
     print(f"{prog}: error: {message}", file=sys.stderr)
     return 1
@@ -98,6 +101,13 @@ def _run_build(args: argparse.Namespace, prog: str) -> int:
         progress=not args.quiet,
         cluster=args.cluster,
     )
+    if 0 < config.shard_tokens < SMALL_SHARD:
+        print(
+            f"{prog}: warning: --shard-tokens {config.shard_tokens:,} is small: every shard has "
+            "its own files, sort and merge run, so a corpus of many shards builds slowly (the "
+            f"default is {BuildConfig.shard_tokens:,})",
+            file=sys.stderr,
+        )
     began = time.perf_counter()
     try:
         result = build(config)

@@ -226,13 +226,31 @@ def test_a_second_build_of_one_out_is_refused_at_once(tmp_path, reference):
     assert verified.returncode == 0, verified.stdout + verified.stderr
 
 
-@pytest.mark.parametrize("flag", ["--verify-samples=-1", "--workers=0", "--max-match=0"])
+@pytest.mark.parametrize(
+    "flag", ["--verify-samples=-1", "--workers=0", "--max-match=0", "--memory=1"]
+)
 def test_bad_flag_fails_before_any_work(tmp_path, flag):
     (tmp_path / "a.txt").write_text("some text " * 100)
     out = tmp_path / "out"
     result = run_cli("build-index", tmp_path / "a.txt", "--out", out, flag)
     assert_clean_failure(result, out, flag.split("=")[0])
     assert result.stderr.count("\n") == 1 and not out.exists()
+    assert flag != "--memory=1" or "--memory 1 B is less than" in result.stderr
+
+
+def test_a_tiny_shard_size_is_warned_about(tmp_path):
+    (tmp_path / "a.txt").write_text("some text " * 100)
+    result = run_cli(
+        "build-index",
+        tmp_path / "a.txt",
+        "--out",
+        tmp_path / "out",
+        "--shard-tokens",
+        1000,
+        "--quiet",
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.startswith("teralm build-index: warning: --shard-tokens 1,000 is small")
 
 
 @pytest.mark.parametrize(
