@@ -35,7 +35,6 @@ per shard inside the range of its first ``sort_depth`` tokens.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -217,12 +216,17 @@ class FolderBusy(ValueError):
 
 
 @contextlib.contextmanager
-def folder_lock(directory: Path, job: str) -> Iterator[None]:
+def folder_lock(directory: Path, job: str, name: str = LOCK) -> Iterator[None]:
     """Hold ``directory`` (which exists) for one writer while the block runs: an exclusive
-    ``flock`` on its ``.lock`` file, which names the holder. FolderBusy at once, naming the
-    holder, when another process holds it (on a shared filesystem too: Linux's NFS client
-    turns ``flock`` into a lock the server keeps)."""
-    fd = os.open(Path(directory) / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    ``flock`` on its file ``name``, which names the holder while it holds it. FolderBusy at once,
+    naming the holder, when another process holds it (on a shared filesystem too: Linux's NFS
+    client turns ``flock`` into a lock the server keeps). No lock where there is no ``flock``."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    fd = os.open(Path(directory) / name, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -90,6 +89,31 @@ def save(
     tmp = run / f".ckpt-{step:08d}.tmp{os.getpid()}"
     for partial in run.glob(".ckpt-*.tmp*"):  # this save's, or one a killed run left behind
         shutil.rmtree(partial, ignore_errors=True)
+    try:
+        _write(tmp, model, optimizer, state, step, extra)
+    except (OSError, SafetensorError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        before = latest(run)
+        kept = f"{before.name} is intact" if before else "no earlier checkpoint was written"
+        raise ValueError(
+            f"cannot save checkpoint {final.name} ({_one_line(e)}); {kept}: free some space "
+            "and resume the run with --resume"
+        ) from None
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    fmt.write_atomic(run / LATEST, json.dumps({"checkpoint": final.name, "step": step}).encode())
+    for old in sorted(run.glob("ckpt-*"))[:-KEEP]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _one_line(error: Exception) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _write(tmp: Path, model, optimizer, state: dict, step: int, extra) -> None:
+    """The files of a checkpoint in folder ``tmp``, synced."""
     tmp.mkdir(parents=True)
     weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     save_file(weights, tmp / "model.safetensors")
@@ -105,40 +129,14 @@ def save(
     for path in tmp.iterdir():
         with open(path, "rb") as f:
             os.fsync(f.fileno())
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    fmt.write_atomic(run / LATEST, json.dumps({"checkpoint": final.name, "step": step}).encode())
-    for old in sorted(run.glob("ckpt-*"))[:-KEEP]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
-@contextlib.contextmanager
-def lock_run(run: Path, worker: int | None = None) -> Iterator[None]:
+def lock_run(run: Path, worker: int | None = None) -> contextlib.AbstractContextManager:
     """Hold ``RUN/.lock`` (a DiLoCo ``worker``'s: ``RUN/.lock-worker{N}``) while this process
-    writes the run (released when it ends, killed or not); ValueError when another process
-    holds it."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock
-        yield
-        return
+    writes the run (released when it ends, killed or not); a ValueError (``FolderBusy``) naming
+    the holder when another process holds it."""
     name = LOCK if worker is None else f"{LOCK}-worker{worker}"
-    with open(run / name, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = (f.read().split() or ["?"])[-1]
-            raise ValueError(
-                f"another teralm train (process {holder}) is writing {run}; let it finish or "
-                "stop it (with its workers, under torchrun), then resume"
-            ) from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()}\n")
-        f.flush()
-        yield
+    return fmt.folder_lock(run, "teralm train", name)
 
 
 def latest(run: Path) -> Path | None:
@@ -178,7 +176,12 @@ def load(folder: Path, optimizer: bool = True) -> tuple[dict, dict, dict]:
     """``(model tensors, optimizer tensors, state)``; ValueError naming a damaged file. Without
     ``optimizer`` its tensors are checked but not loaded (``{}``)."""
     path = folder / "state.json"
-    advice = f"point {LATEST} at an earlier ckpt-* folder of the run, or start it afresh"
+    earlier = [p.name for p in sorted(folder.parent.glob("ckpt-*")) if p.name < folder.name]
+    advice = (
+        f"point {LATEST} at an earlier checkpoint ({', '.join(earlier)}) and resume"
+        if earlier
+        else "start the run afresh (it has no earlier checkpoint)"
+    )
     state = read_json(path, advice)
     bad = [k for k, kind in STATE_FIELDS.items() if not isinstance(state.get(k), kind)]
     if isinstance(state.get("files"), dict):
@@ -188,7 +191,7 @@ def load(folder: Path, optimizer: bool = True) -> tuple[dict, dict, dict]:
     for name in WEIGHT_FILES:
         file = folder / name
         if not file.exists() or fmt.sha256_file(file) != state["files"][name]:
-            raise ValueError(f"checkpoint file {file} is missing, truncated or damaged")
+            raise ValueError(f"checkpoint file {file} is missing, truncated or damaged; {advice}")
     try:
         model = load_file(folder / "model.safetensors")
         moments = load_file(folder / "optimizer.safetensors") if optimizer else {}

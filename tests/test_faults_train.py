@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+from conftest import folder_held
 from test_train import TINY, corpus, run_cli  # noqa: F401 (corpus is a fixture)
 
 from teralm.model import checkpoint
@@ -111,23 +112,50 @@ def test_a_run_being_written_is_not_resumed_beside_it(corpus, finished_run, tmp_
     """While one process holds the run's lock (a training run still going), a second
     ``--resume`` of the run stops with one line naming that process, and changes nothing;
     once the lock is free, the resume goes on."""
-    import fcntl
-    import os
-
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
     args = ["train", "--index", corpus.directory, "--out", run, "--resume", "--max-steps", "5"]
-    with open(run / checkpoint.LOCK, "a+") as holder:
-        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        holder.truncate(0)
-        holder.write(f"{os.getpid()}\n")
-        holder.flush()
+    with folder_held(run) as holder:
         message = one_line_error(run_cli(*args, "--quiet"))
-        assert f"another teralm train (process {os.getpid()}) is writing {run}" in message
-        assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == {
-            **before,
-            checkpoint.LOCK: f"{os.getpid()}\n".encode(),
-        }
+        assert f"{run} is in use by a test's holder (pid {holder} on" in message
+        held = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+        assert held.pop(checkpoint.LOCK).startswith(b"a test's holder (pid")
+        assert held == {k: v for k, v in before.items() if k != checkpoint.LOCK}
     resumed = run_cli(*args, "--quiet")
     assert resumed.returncode == 0, resumed.stderr
+
+
+def test_a_metrics_line_cut_short_by_a_kill_is_dropped_on_resume(corpus, finished_run, tmp_path):  # noqa: F811
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "loss": 4.')  # the process died inside this write
+    args = ["train", "--index", corpus.directory, "--out", run, "--resume", "--max-steps", "6"]
+    resumed = run_cli(*args, "--quiet")
+    assert resumed.returncode == 0, resumed.stderr
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps) and steps[-1] == 6
+
+
+def test_a_full_disk_while_saving_a_checkpoint_is_one_line_and_keeps_the_last(tmp_path):
+    """The save that does not fit is removed, the previous checkpoint stays the latest, and the
+    error says so in one line."""
+    import torch
+    from test_faults_build import Tmpfs
+
+    disk = Tmpfs(tmp_path / "disk", 1 << 20)
+    try:
+        small, large = torch.nn.Linear(8, 8), torch.nn.Linear(1024, 512)
+        state = {"config": {}, "index": {}, "tokens": 0, "wall_s": 0.0}
+        checkpoint.save(disk.path, 1, small, torch.optim.SGD(small.parameters()), state)
+        with pytest.raises(ValueError) as failed:
+            checkpoint.save(disk.path, 2, large, torch.optim.SGD(large.parameters()), state)
+        message = str(failed.value)
+        assert "\n" not in message and "cannot save checkpoint ckpt-00000002" in message
+        assert "ckpt-00000001 is intact" in message and "--resume" in message
+        assert checkpoint.latest(disk.path).name == "ckpt-00000001"
+        assert sorted(p.name for p in disk.path.iterdir()) == ["ckpt-00000001", "latest.json"]
+        checkpoint.load(disk.path / "ckpt-00000001")
+    finally:
+        disk.unmount()

@@ -219,6 +219,7 @@ def test_bad_checkpoints_get_clear_errors(corpus, tmp_path):
     weights.write_bytes(weights.read_bytes()[:-100])
     result = run_cli("eval", run, "--index", corpus.directory)
     assert result.returncode == 1 and "truncated or damaged" in result.stderr
+    assert "start the run afresh (it has no earlier checkpoint)" in result.stderr
     assert "Traceback" not in result.stderr
 
 

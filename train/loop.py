@@ -126,11 +126,15 @@ def _metric_step(line: str) -> int | None:
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
-    """Keep the metric lines of steps up to ``step`` (a resumed run redoes the rest)."""
+    """Keep the metric lines of steps up to ``step`` (a resumed run redoes the rest); a last
+    line cut short (the process was killed while writing it) is dropped."""
     if not path.exists():
         return
-    kept = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    kept, text = [], path.read_text()
+    lines = text.splitlines()
+    if lines and not text.endswith("\n") and _metric_step(lines[-1]) is None:
+        lines.pop()
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         line_step = _metric_step(line)
