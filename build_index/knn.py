@@ -356,6 +356,7 @@ def _merge_shards(faiss, out: Path, shards: list[dict]) -> dict:
         "data": MERGED_DATA,
         "bytes": (out / MERGED).stat().st_size + data.stat().st_size,
         "sha256": fmt.sha256_file(data),
+        "index_sha256": fmt.sha256_file(out / MERGED),
     }
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import math
 import os
 import sys
 from collections.abc import Iterator
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from teralm.index import format as fmt
 from teralm.index.query import SNIPPET
 from teralm.index.reader import Index
 
@@ -132,8 +134,15 @@ class KnnDatastore:
             flags = faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY
             files = [shard["file"] for shard in manifest["shards"] if shard["keys"]]
         for name in files:
-            with faiss_quiet():
-                index = faiss.read_index(str(self.directory / name), flags)
+            try:
+                with faiss_quiet():
+                    index = faiss.read_index(str(self.directory / name), flags)
+            except RuntimeError as e:  # faiss's C++ exception, many lines long
+                problem = str(e).strip().splitlines()[-1][:200]
+                raise ValueError(
+                    f"{self.directory / name} cannot be read by faiss ({problem}); rebuild the "
+                    "datastore (build-knn --force)"
+                ) from None
             set_nprobe(index, nprobe)
             self.indexes.append(index)
 
@@ -159,6 +168,12 @@ class KnnDatastore:
             )
         if datastore_bytes(Path(directory), m) is None:
             raise ValueError(f"{directory}: a file is missing or truncated; rebuild the datastore")
+        problem = calibration_problem(m["calibration"]) or checksum_problem(Path(directory), m)
+        if problem:
+            raise ValueError(
+                f"{directory}: {problem}; rebuild the datastore (build-knn --force), or run "
+                "build-knn again to recalibrate it"
+            )
         return cls(directory, m, ix, m["calibration"]["k"], m["calibration"]["nprobe"])
 
     @property
@@ -206,6 +221,38 @@ class KnnDatastore:
                 }
             )
         return hits
+
+
+def calibration_problem(c) -> str | None:
+    """What is wrong with a manifest's calibration (None: nothing): neighbours and lists to
+    visit are positive counts, each mixture's weight λ lies in [0, 1], its temperature is a
+    positive number."""
+    counts = isinstance(c, dict) and all(
+        isinstance(c.get(k), int) and c[k] > 0 for k in ("k", "nprobe")
+    )
+    if not counts:
+        return f"{MANIFEST}: calibration k and nprobe must be positive counts"
+    for name in ("model", "model_alone"):
+        mix = c.get(name)
+        lam, t = (mix.get("lam"), mix.get("temperature")) if isinstance(mix, dict) else (None, None)
+        if not (isinstance(lam, (int, float)) and 0 <= lam <= 1):
+            return f"{MANIFEST}: calibration {name} λ {lam!r} is not in [0, 1]"
+        if not (isinstance(t, (int, float)) and 0 < t < math.inf):
+            return f"{MANIFEST}: calibration {name} temperature {t!r} is not a positive number"
+    return None
+
+
+def checksum_problem(directory: Path, m: dict) -> str | None:
+    """The first file a search reads whose sha256 differs from the manifest's (None: none)."""
+    if m.get("merged"):
+        merged = m["merged"]
+        recorded = {merged["data"]: merged["sha256"], merged["file"]: merged.get("index_sha256")}
+    else:
+        recorded = {s["file"]: s["sha256"] for s in m["shards"] if s["keys"]}
+    for name, sha256 in recorded.items():
+        if sha256 is not None and fmt.sha256_file(directory / name) != sha256:
+            return f"{name} does not match its sha256 in {MANIFEST}"
+    return None
 
 
 def datastore_bytes(directory: Path, m: dict) -> int | None:

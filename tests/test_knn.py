@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 import time
@@ -230,6 +231,40 @@ def test_mismatched_run_index_or_settings_are_refused(trained, flat, tmp_path):
         build.build_knn(knn_config(trained, flat.directory, factory="IVF4,Flat"))
 
 
+def flip(path: Path, at: int) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0x5A
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        ("header", "does not match its sha256"),
+        ("middle", "does not match its sha256"),
+        ("lambda", "λ 7.5 is not in [0, 1]"),
+        ("temperature", "temperature 0 is not a positive number"),
+    ],
+)
+def test_a_damaged_datastore_is_refused_with_one_line(trained, flat, tmp_path, damage, words):
+    """A flipped byte in a stored faiss file (its header or its middle) is found by its
+    sha256 in knn.json; a calibration out of range is named, not met as a math error."""
+    store = Path(shutil.copytree(flat.directory, tmp_path / "store"))
+    shard = store / flat.manifest["shards"][0]["file"]
+    if damage in ("header", "middle"):
+        flip(shard, 2 if damage == "header" else shard.stat().st_size // 2)
+    else:
+        m = json.loads((store / "knn.json").read_text())
+        if damage == "lambda":
+            m["calibration"]["model"]["lam"] = 7.5
+        else:
+            m["calibration"]["model_alone"]["temperature"] = 0
+        (store / "knn.json").write_text(json.dumps(m))
+    with pytest.raises(ValueError, match="rebuild the datastore") as refused:
+        KnnDatastore.open(store, trained["ix"], weights_sha256(trained["run"]))
+    assert words in str(refused.value) and "\n" not in str(refused.value)
+
+
 def test_held_out_text_is_not_stored_and_finds_its_training_copy(corpus):
     """No stored key lies in a held-out document. Read by a model whose keys depend on the
     text alone, the held-out copy of training document 13 finds, at every position, the same
@@ -276,6 +311,12 @@ def test_build_knn_and_eval_on_the_command_line(trained, tmp_path):
     assert all(0 < result[k] < 9 for k in ("model", "model_knn", "model_alone_knn"))
     wrong = cli("eval", run, "--index", index, "--knn", tmp_path)
     assert wrong.returncode == 1 and "no kNN datastore here" in wrong.stderr
+    for name in ("merged.faiss", "merged.ivfdata"):  # the merged files are checked too
+        damaged = Path(shutil.copytree(out, tmp_path / f"damaged-{name}"))
+        flip(damaged / name, (damaged / name).stat().st_size // 2)
+        refused = cli("eval", run, "--index", index, "--knn", damaged, "--quiet")
+        assert refused.returncode == 1 and f"{name} does not match its sha256" in refused.stderr
+        assert refused.stderr.count("\n") == 1, refused.stderr
 
 
 def echoed(engine: Engine, prompt: list[int]) -> list[float]:
