@@ -1,8 +1,9 @@
 """Fault benchmark: build-index killed (kill -9) and out of disk in every pass, a pool worker
-killed, and training killed; each resumed with the same command and compared with a run that
-was never interrupted.
+killed, a second build of the same folder started in every pass, and training killed; each
+resumed with the same command and compared with a run that was never interrupted.
 
-    python benchmarks/bench_faults.py [--kills 20] [--worker-kills 2] [--disk-fills 2]
+    python benchmarks/bench_faults.py [--kills 20] [--worker-kills 2] [--second-builds 4]
+                                      [--disk-fills 2]
                                       [--train-kills 3] [--train-steps 12] [--tokens 800000]
                                       [--no-disk] [--timeout 120]
 
@@ -417,6 +418,52 @@ def kill_trials(
     return trials
 
 
+def second_build_trials(setup: Setup, reference: Outcome, count: int) -> list[Trial]:
+    """``count`` builds, each joined at a random point of a pass (in turn) by a second build of
+    the same ``--out`` (``second_build_trial``)."""
+    trials = []
+    for i in range(count):
+        trial = second_build_trial(setup, reference, i % len(PASSES))
+        trials.append(trial)
+        print(f"  {'second build':<15} {trial.aimed:<9} {trial.line()}", flush=True)
+    return trials
+
+
+def second_build_trial(setup: Setup, reference: Outcome, p: int) -> Trial:
+    """A build joined at a random point of pass ``p`` by the same command (with
+    ``--verify-samples 0``, so that nothing but the folder's lock could stop a race). The
+    second must be refused with one line naming the first; the first must finish with the
+    index an undisturbed build gives. (A second build that gets the lock once the first has
+    released it finds the index complete: exit 0 is right there.)"""
+    out = setup.work / "shared"
+    cmd = [*setup.build_cmd(out), "--verify-samples", "0"]
+    trial, second = Trial("second build", PASSES[p]), {}
+
+    def start_second(w: Watched) -> bool:
+        second["outcome"] = run(cmd, setup.timeout)
+        return True
+
+    delay = setup.rng.uniform(0, 0.9 * pass_seconds(reference)[p])
+    fault = Fault(p, delay, start_second, reference.started.get(p, 0.0))
+    first = run(cmd, setup.timeout, fault=fault)
+    trial.landed = PASSES[first.fault_at] if first.fault_at is not None else "nothing (it ended)"
+    trial.hit, trial.orphans, trial.wall_s = first.fault_at == p, first.orphans, first.wall_s
+    late = second.get("outcome")
+    if first.returncode is None or (late and late.returncode is None):
+        trial.hang = "first build" if first.returncode is None else "second build"
+    elif late is not None:
+        refused = late.returncode == 1 and "in use by build-index" in late.message
+        trial.one_line_error = refused or late.returncode == 0  # 0: it found the index done
+        if not trial.one_line_error:
+            trial.notes.append(f"second build: exit {late.returncode}: {late.message[:120]}")
+        trial.resumed = first.returncode == 0  # here: the first build ended well
+        diffs = index_differences(setup.reference, out) if trial.resumed else [first.message]
+        trial.identical = not diffs
+        trial.notes += diffs[:4]
+    shutil.rmtree(out, ignore_errors=True)
+    return trial
+
+
 # ------------------------------------------------------------------------------ the full disk
 
 
@@ -606,6 +653,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kills", type=int, default=20, help="kill -9 of the build (all passes)")
     parser.add_argument("--worker-kills", type=int, default=2, help="kill -9 of a pool worker")
+    parser.add_argument(
+        "--second-builds", type=int, default=4, help="a second build of the same --out"
+    )
     parser.add_argument("--train-kills", type=int, default=3, help="kill -9 of training")
     parser.add_argument("--train-steps", type=int, default=12)
     parser.add_argument("--checkpoint-every", type=int, default=3)
@@ -644,6 +694,7 @@ def main() -> None:
         )
         trials = kill_trials(setup, whole, "kill -9 build", [0, 1, 2, 3], args.kills)
         trials += kill_trials(setup, whole, "kill -9 worker", [1, 2], args.worker_kills)
+        trials += second_build_trials(setup, whole, args.second_builds)
         if profile:
             trials += disk_trials(setup, profile, args.disk_fills)
         train_s = None
