@@ -255,10 +255,10 @@ def _check_flags(config: BuildConfig) -> None:
         raise BuildError(f"--workers must be 1 or more, not {config.workers}")
     if config.verify_samples < 0:
         raise BuildError(f"--verify-samples must be 0 or more, not {config.verify_samples}")
-    if config.memory < MIN_MEMORY:
+    if config.memory <= MIN_MEMORY:
         raise BuildError(
             f"--memory {format_bytes(config.memory)} is less than a build needs at the least "
-            f"({format_bytes(MIN_MEMORY)}: two processes and a small shard's sort)"
+            f"(more than {format_bytes(MIN_MEMORY)}: two processes before any work)"
         )
 
 
@@ -392,7 +392,7 @@ def _numbered_job(i, layout, firsts, spans, global_start, chunk):
 
 
 WORKER_BYTES = 200 << 20  # a process before its work: Python, numpy, numba, teralm (~130 MB)
-MIN_MEMORY = 2 * WORKER_BYTES + (1 << 20)
+MIN_MEMORY = 2 * WORKER_BYTES  # the build and one worker, before any work
 
 
 def format_bytes(n: float) -> str:
