@@ -3,7 +3,7 @@ the same bytes in the same run, and query latency against the shard count.
 
     pip install -e '.[bench]'          # infini-gram (and tokengrams, where it fits)
     sudo python benchmarks/bench_scale.py [--small 1gb] [--big 4gb] [--cgroup 2G]
-        [--parts capped,identical,peers,shards] [--workers 2] [--shard-counts 1,8,58]
+        [--parts capped,identical,peers,shards,cold] [--workers 2] [--shard-counts 1,8,58]
 
 Corpora are byte-level JSONL streams made from pydocs as in bench_build.py (``Ngb``/``Nmb``: about
 that many bytes of pydocs copies, each later copy with its lines shuffled). ``capped`` builds
@@ -11,8 +11,10 @@ that many bytes of pydocs copies, each later copy with its lines shuffled). ``ca
 with ``--memory`` 3/4 of it, beside an uncapped build of ``--small``; ``identical`` builds ``--small``
 capped as well and compares every file; ``peers`` runs infini-gram's indexer on ``--small``;
 ``shards`` builds ``--small`` with each of ``--shard-counts`` shards (1, 8 and 58) and times
-bench_query's lookups (32-byte contexts from pydocs documents, and random bytes). Prints tables
-and writes benchmarks/results/bench_scale.json.
+bench_query's lookups (32-byte contexts from pydocs documents, and random bytes); ``cold`` times
+lookups and training batches on the ``--small`` index in the page cache and from a memory cgroup
+of a quarter of the index's size (``lookup_probe.py``: pages read per lookup). Prints tables and
+writes benchmarks/results/bench_scale.json.
 """
 
 from __future__ import annotations
@@ -195,12 +197,52 @@ def query_rows(jsonl: Path, shard_counts: list[int], workers: int, contexts: int
     return rows
 
 
+def probe_lookups(index: Path, lookups: int, cgroup: MemoryCgroup | None) -> dict:
+    """``lookup_probe.py`` on ``index`` in a fresh process (inside ``cgroup``, if any)."""
+    cmd = [sys.executable, str(Path(__file__).with_name("lookup_probe.py")), str(index)]
+    cmd += ["--lookups", str(lookups)]
+    run = run_measured(cgroup.command(cmd) if cgroup else cmd)
+    if run["returncode"]:
+        raise SystemExit(f"lookup_probe failed:\n{run['output']}")
+    return json.loads(run["output"].strip().splitlines()[-1])
+
+
+def cold_rows(jsonl: Path, workers: int, lookups: int, *flags) -> list[dict]:
+    """Lookups on the index of ``jsonl`` with all of it in the page cache, then from a memory
+    cgroup of a quarter of its size after dropping the page cache (needs root)."""
+    out = WORK / "cold"
+    if not (out / "manifest.json").exists():
+        report(teralm_build(jsonl, out, workers, *flags))
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    for p in out.rglob("*"):  # into the page cache, whole
+        if p.is_file():
+            with open(p, "rb") as f:
+                while f.read(1 << 24):
+                    pass
+    modes = {"in page cache": probe_lookups(out, lookups, None)}
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    group = MemoryCgroup(size // 4)
+    try:
+        modes[f"cgroup {size // 4 / 2**30:.2f} GiB"] = probe_lookups(out, lookups, group)
+    finally:
+        group.remove()
+    rows = []
+    for mode, found in modes.items():
+        for name in ("in-corpus", "held-out", "random"):
+            rows.append({"memory": mode, "contexts": name, **found[name]})
+        rows.append({"memory": mode, "contexts": "FragmentSampler", **found["sampler"]})
+    print(json.dumps({"index_gib": size / 2**30, "rows": rows}), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", default="1gb")
     parser.add_argument("--big", default="4gb")
     parser.add_argument("--cgroup", default="2G", help="memory of the capped build's cgroup")
-    parser.add_argument("--parts", default="capped,identical,peers,shards")
+    parser.add_argument("--parts", default="capped,identical,peers,shards,cold")
+    parser.add_argument("--lookups", type=int, default=2000, help="per context set, cold part")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--contexts", type=int, default=5000)
     parser.add_argument(
@@ -242,6 +284,25 @@ def main() -> None:
         }
         rows.append(report(row))
         shutil.rmtree(WORK / "infini-gram", ignore_errors=True)
+    if "cold" in parts:
+        results["cold"] = cold_rows(small, args.workers, args.lookups, *shards)
+        print(f"\nlookups on the {args.small} index, in the page cache and 4x larger than memory")
+        print(
+            table(
+                results["cold"],
+                [
+                    ("memory", "memory", "s"),
+                    ("contexts", "contexts", "s"),
+                    ("p50_us", "p50 µs", ".1f"),
+                    ("p99_us", "p99 µs", ".0f"),
+                    ("faults_per_lookup", "faults/lookup", ".2f"),
+                    ("read_kib_per_lookup", "KiB read/lookup", ".1f"),
+                    ("batched_per_s", "batched ctx/s", ",.0f"),
+                    ("tokens_per_s", "sampler tok/s", ",.0f"),
+                ],
+            )
+        )
+        shutil.rmtree(WORK / "cold")
     if "shards" not in parts:  # disk for the big build (it needs about 15 bytes per token)
         shutil.rmtree(small.parent.parent)
     if "capped" in parts:
