@@ -305,11 +305,11 @@ def _flatten(contexts) -> tuple[np.ndarray, np.ndarray]:
 
 def _map(directory, kind: str, dtype) -> np.ndarray:
     """Read-only mmap of a file of the order as a plain ndarray (numba takes those faster than
-    np.memmap objects)."""
+    np.memmap objects), read a page at a time (``fmt.map_for_lookups``)."""
     path = fmt.order_file(directory, kind)
     if path.stat().st_size == 0:
         return _read_only(np.empty(0, dtype))
-    return np.asarray(np.memmap(path, dtype=dtype, mode="r"))
+    return fmt.map_for_lookups(path, dtype)
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:

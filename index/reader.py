@@ -35,7 +35,7 @@ class ShardedTokens:
         if k not in self._maps:
             path = fmt.shard_file(self.directory, k, "tokens")
             self._maps[k] = (
-                np.asarray(np.memmap(path, dtype=self.dtype, mode="r", shape=(self.sizes[k],)))
+                fmt.map_for_lookups(path, self.dtype, self.sizes[k])
                 if self.sizes[k]
                 else np.empty(0, self.dtype)
             )
@@ -216,6 +216,11 @@ def open_match(directory: Path, k: int, n: int, dtype, mode: str) -> tuple[np.nd
     path = fmt.shard_file(directory, k, "match")
     if n == 0:
         return np.empty(0, np.uint8), np.empty(0, dtype)
+    if mode == "r":
+        return (
+            fmt.map_for_lookups(path, fmt.MATCH_LEN_DTYPE, n),
+            fmt.map_for_lookups(path, dtype, n, offset=n),
+        )
     length = np.memmap(path, dtype=fmt.MATCH_LEN_DTYPE, mode=mode, shape=(n,))
     nxt = np.memmap(path, dtype=dtype, mode=mode, offset=n, shape=(n,))
     return length, nxt
