@@ -315,21 +315,22 @@ def main() -> None:
         r["peak_gib"] = r["peak_rss"] / 2**30
         r["cgroup_gib"] = (r.get("cgroup_peak") or 0) / 2**30
     results["builds"] = rows
-    print(f"\nbuilds ({args.workers} workers; capped runs use --memory {budget})")
-    print(
-        table(
-            rows,
-            [
-                ("run", "run", "s"),
-                ("wall_s", "wall s", ".1f"),
-                ("ns_per_token", "ns/token", ".0f"),
-                ("peak_gib", "peak RSS GiB", ".2f"),
-                ("cgroup_gib", "cgroup peak GiB", ".2f"),
-                ("disk_peak_per_token", "peak disk B/tok", ".1f"),
-                ("bytes_per_token", "B/tok", ".2f"),
-            ],
+    if rows:
+        print(f"\nbuilds ({args.workers} workers; capped runs use --memory {budget})")
+        print(
+            table(
+                rows,
+                [
+                    ("run", "run", "s"),
+                    ("wall_s", "wall s", ".1f"),
+                    ("ns_per_token", "ns/token", ".0f"),
+                    ("peak_gib", "peak RSS GiB", ".2f"),
+                    ("cgroup_gib", "cgroup peak GiB", ".2f"),
+                    ("disk_peak_per_token", "peak disk B/tok", ".1f"),
+                    ("bytes_per_token", "B/tok", ".2f"),
+                ],
+            )
         )
-    )
     for r in rows:
         if "identical" in r:
             print(f"  {r['run']}: byte-identical to the uncapped build: {r['identical']}")
