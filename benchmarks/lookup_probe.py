@@ -3,6 +3,7 @@
 much smaller than the index (after dropping the page cache).
 
     python benchmarks/lookup_probe.py INDEX [--lookups 2000] [--warmup 1000] [--batches 20]
+                                            [--sets in-corpus,held-out,random]
 
 Contexts of 32 bytes: ``in-corpus`` (from the index's own documents), ``held-out`` (this
 Python's standard-library sources, text the index does not hold) and ``random`` bytes. For each
@@ -96,17 +97,21 @@ def main() -> None:
     parser.add_argument("index", type=Path)
     parser.add_argument("--lookups", type=int, default=2000)
     parser.add_argument("--warmup", type=int, default=1000)
-    parser.add_argument("--batches", type=int, default=20)
+    parser.add_argument("--batches", type=int, default=20, help="0: no training batches")
+    parser.add_argument("--sets", default="in-corpus,held-out,random", help="context sets")
     args = parser.parse_args()
     ix = Index.open(args.index)
     rng = np.random.default_rng(0)
     ix.next_token_distribution([np.arange(4)])  # compile the kernels
     result = {"index_bytes": sum(p.stat().st_size for p in args.index.glob("*.*"))}
     for name, contexts in context_sets(ix, args.warmup + args.lookups, rng).items():
+        if name not in args.sets.split(","):
+            continue
         for c in contexts[: args.warmup]:
             ix.next_token_distribution([c])
         result[name] = measure(ix, contexts[args.warmup :])
-    result["sampler"] = sampler_speed(ix, args.batches)
+    if args.batches:
+        result["sampler"] = sampler_speed(ix, args.batches)
     print(json.dumps(result))
 
 
