@@ -458,8 +458,8 @@ async def get_service(request: Request) -> CompletionService:
 
 
 Service = Annotated[CompletionService, Depends(get_service)]
-public = APIRouter()  # no API key
-api = APIRouter()  # the API key, when the server has one
+public = APIRouter()  # no API key: health, the playground, the tokenizer routes, metrics, OpenAPI
+api = APIRouter()  # /v1/...: the API key, when the server has one (as vLLM guards its API)
 
 
 @public.get("/health")
@@ -472,7 +472,7 @@ async def playground() -> str:
     return resources.files("teralm.server").joinpath("playground.html").read_text()
 
 
-@api.get("/openapi.json", include_in_schema=False)
+@public.get("/openapi.json", include_in_schema=False)
 async def openapi(request: Request) -> JSONResponse:
     return JSONResponse(request.app.openapi())
 
@@ -495,22 +495,22 @@ def lookup(body: LookupRequest, service: Service) -> LookupResponse:
     return service.lookup(body.text, body.top_k, body.sources)
 
 
-@api.get("/tokenizer_info")
+@public.get("/tokenizer_info")
 async def tokenizer_info(service: Service) -> TokenizerInfo:
     return service.tokenizer_info()
 
 
-@api.post("/tokenize")
+@public.post("/tokenize")
 def tokenize(body: TokenizeRequest, service: Service) -> TokenizeResponse:
     return service.tokenize(body)
 
 
-@api.post("/detokenize")
+@public.post("/detokenize")
 def detokenize(body: DetokenizeRequest, service: Service) -> DetokenizeResponse:
     return service.detokenize(body)
 
 
-@api.get("/metrics", response_class=PlainTextResponse, responses=JSON_ERRORS)
+@public.get("/metrics", response_class=PlainTextResponse, responses=JSON_ERRORS)
 async def metrics(request: Request) -> Response:
     return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -550,8 +550,8 @@ async def internal(_, exc: Exception) -> JSONResponse:
 def create_app(
     engine: Engine, model_name: str, limits: Limits | None = None, api_key: str | None = None
 ) -> FastAPI:
-    """The server over a running ``engine``: every route but ``/health`` and the playground
-    needs ``api_key`` when there is one."""
+    """The server over a running ``engine``: the ``/v1/...`` routes need ``api_key`` when there
+    is one (the routes vLLM guards with its key; lm-eval reads the tokenizer routes without)."""
     limits = limits or Limits()
     app = FastAPI(
         title="teralm",
