@@ -114,8 +114,9 @@ def _index_files(out: Path) -> list[Path]:
     ]
 
 
-def _prepare_out(config: BuildConfig) -> None:
-    """Clear what ``--force`` or a killed run leaves; the caller holds the folder's lock."""
+def _prepare_out(config: BuildConfig, params: dict) -> None:
+    """Clear the folder for ``--force`` or when it holds an abandoned build of other ``params``,
+    and what a killed run leaves; the caller holds the folder's lock."""
     out = config.out
     entries = [p for p in out.iterdir() if p.name != fmt.LOCK]
     ours = _index_files(out)
@@ -123,15 +124,32 @@ def _prepare_out(config: BuildConfig) -> None:
         raise BuildError(
             f"--out {out} is not empty and holds no teralm index; choose another folder"
         )
-    if config.force:
+    if config.force or (ours and _abandoned(out, params)):
         if len(ours) != len(entries):
             raise BuildError(f"--out {out} holds files that are not part of an index; not deleting")
         # the manifest first: a folder left half-deleted must not look complete
         for p in sorted(ours, key=lambda p: p.name != fmt.MANIFEST):
             shutil.rmtree(p) if p.is_dir() else p.unlink()
-    for p in ours:  # leftovers of a killed run: never complete, never read
+    for p in _index_files(out):  # leftovers of a killed run: never complete, never read
         if ".tmp" in p.name and p.exists():
             p.unlink()
+
+
+def _abandoned(out: Path, params: dict) -> bool:
+    """Whether ``out`` holds a build of other ``params`` that finished nothing (not one shard of
+    pass 1: a bad source or a wrong flag stopped it), which a new build takes over without
+    ``--force``."""
+    if (out / fmt.MANIFEST).exists() or not (out / fmt.CATALOG).exists():
+        return False
+    catalog = Catalog(out / fmt.CATALOG)
+    try:
+        shards = catalog.prefixed(tokenize.SHARD_KEY + "/")
+        first_shard = next(shards, None)
+        shards.close()  # its read transaction, before the catalog closes
+        finished = first_shard is not None or catalog.get("p1/done") is not None
+        return not finished and catalog.get("meta/params") not in (None, params)
+    finally:
+        catalog.close()
 
 
 def _check_params(catalog: Catalog, params: dict, out: Path) -> None:
@@ -231,11 +249,11 @@ def build(config: BuildConfig) -> BuildResult:
     if out.exists() and not out.is_dir():
         raise BuildError(f"--out {out} exists and is not a folder")
     out.mkdir(parents=True, exist_ok=True)
+    params = config.params(source.fingerprint())
     with fmt.folder_lock(out, "build-index"):
-        _prepare_out(config)
+        _prepare_out(config, params)
         catalog = Catalog(out / fmt.CATALOG)
         try:
-            params = config.params(source.fingerprint())
             _check_params(catalog, params, out)
             if (out / fmt.MANIFEST).exists():
                 return BuildResult(fmt.read_manifest(out), [])

@@ -161,6 +161,19 @@ def test_different_index_refused_unless_forced(tmp_path):
     assert Index.open(out).num_tokens == len("another corpus " * 20)
 
 
+def test_a_build_that_finished_nothing_is_taken_over(tmp_path):
+    """A build stopped by bad input before its first shard leaves a catalog; a correct build
+    into the same --out goes ahead without --force."""
+    (tmp_path / "c.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
+    (tmp_path / "a.txt").write_text("one corpus " * 20)
+    out = tmp_path / "out"
+    failed = run_cli("build-index", tmp_path / "c.jsonl", "--out", out)
+    assert failed.returncode != 0 and (out / "catalog.lmdb").exists()
+    again = run_cli("build-index", tmp_path / "a.txt", "--out", out)
+    assert again.returncode == 0, again.stderr
+    assert Index.open(out).num_tokens == len("one corpus " * 20)
+
+
 def test_foreign_folder_is_never_deleted(tmp_path):
     (tmp_path / "a.txt").write_text("text")
     out = tmp_path / "mine"
