@@ -17,6 +17,7 @@ import http.client
 import json
 import os
 import re
+import socket
 import sysconfig
 import urllib.error
 import urllib.request
@@ -63,6 +64,26 @@ LABEL_FIELDS = ("title", "path", "url", "id")
 Document = tuple[str, "str | bytes"]
 
 
+LOCAL_FORMATS = (
+    "give a local copy instead: a folder written by datasets' save_to_disk (DIR, or DIR:split), "
+    "a Parquet file, JSON lines (.jsonl, .jsonl.gz), a text file or a folder of text files"
+)
+HUB = ("huggingface.co", 443)
+
+
+def _hub_offline() -> str | None:
+    """Why the Hugging Face Hub cannot be used now (None: it answers): HF_HUB_OFFLINE or
+    HF_DATASETS_OFFLINE set, or no connection within 3 s (instead of datasets' own retries)."""
+    for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(variable, "").strip().lower() in ("1", "true", "yes", "on"):
+            return f"{variable} is set"
+    try:
+        socket.create_connection(HUB, timeout=3).close()
+    except OSError as e:
+        return f"no connection to {HUB[0]}: {e.strerror or e}"
+    return None
+
+
 def cache_dir() -> Path:
     """Where downloads are kept: $TERALM_CACHE, else ~/.cache/teralm."""
     return Path(os.environ.get("TERALM_CACHE", Path.home() / ".cache" / "teralm"))
@@ -76,6 +97,7 @@ class Source:
     kind: str
     path: Path | None = None
     text_field: str = "text"
+    split: str | None = None  # of a saved dataset (``DIR:split``)
 
     def fingerprint(self) -> str:
         """Identity of the source's content, to refuse resuming a build over a changed corpus."""
@@ -212,12 +234,18 @@ class Source:
         import datasets
 
         name, _, split = self.name.partition(":")
+        offline = _hub_offline()
+        if offline:
+            raise SourceError(
+                f"'{self.name}' is not a file or folder, and the Hugging Face Hub cannot be "
+                f"reached ({offline}); {LOCAL_FORMATS}"
+            )
         try:
             dataset = datasets.load_dataset(name, split=split or "train", streaming=True)
         except Exception as e:  # datasets raises many types for "not found / offline"
             raise SourceError(
                 f"'{self.name}' is not a file or folder, and loading it as a Hugging Face "
-                f"dataset failed: {_first_line(e)}"
+                f"dataset failed: {_first_line(e)}; {LOCAL_FORMATS}"
             ) from None
         yield from _guarded(
             self.name, ((self._record(r, f"{name}:{row}"), 0) for row, r in enumerate(dataset, 1))
@@ -231,7 +259,14 @@ class Source:
         if isinstance(dataset, datasets.DatasetDict):
             if not dataset:
                 raise SourceError(f"{self.path}: the saved dataset has no splits")
-            dataset = dataset["train"] if "train" in dataset else next(iter(dataset.values()))
+            if self.split is not None and self.split not in dataset:
+                raise SourceError(
+                    f"{self.path} has no split '{self.split}' (it has: {', '.join(dataset)})"
+                )
+            split = self.split or ("train" if "train" in dataset else next(iter(dataset)))
+            dataset = dataset[split]
+        elif self.split is not None:
+            raise SourceError(f"{self.path} is a saved dataset of one split; drop ':{self.split}'")
         for row, record in enumerate(dataset, 1):
             yield self._record(record, f"{self.path.name}:{row}"), 0
 
@@ -342,8 +377,11 @@ def resolve_source(spec: str, text_field: str = "text", download: bool = True) -
         return Source(spec, "folder", Path(sysconfig.get_paths()["stdlib"]))
     path = Path(spec).expanduser()
     if path.is_dir():
-        saved = any((path / f).exists() for f in ("state.json", "dataset_dict.json"))
-        return Source(spec, "hf_disk" if saved else "folder", path.resolve(), text_field)
+        kind = "hf_disk" if _saved_dataset(path) else "folder"
+        return Source(spec, kind, path.resolve(), text_field)
+    folder, colon, split = spec.rpartition(":")
+    if colon and split and _saved_dataset(Path(folder).expanduser()):
+        return Source(spec, "hf_disk", Path(folder).expanduser().resolve(), text_field, split)
     if path.is_file():
         if not os.access(path, os.R_OK):
             raise SourceError(f"cannot read {path}: permission denied")
@@ -364,6 +402,11 @@ def resolve_source(spec: str, text_field: str = "text", download: bool = True) -
     if spec.startswith((".", "/", "~")) or path.suffix:
         raise SourceError(f"{spec}: no such file or folder")
     return Source(spec, "hf", None, text_field)
+
+
+def _saved_dataset(path: Path) -> bool:
+    """Whether ``path`` is a folder written by datasets' ``save_to_disk``."""
+    return path.is_dir() and any((path / f).exists() for f in ("state.json", "dataset_dict.json"))
 
 
 def fetch_enwik(name: str, download: bool = True) -> Path:

@@ -13,6 +13,7 @@ from conftest import SHARED_DATA, write_jsonl
 
 from teralm.build_index import BuildConfig, build
 from teralm.build_index.layout import Layout
+from teralm.build_index.sources import SourceError
 from teralm.build_index.verify import verify
 from teralm.index import Index
 from teralm.index import format as fmt
@@ -84,3 +85,18 @@ def test_parquet_and_saved_dataset_sources(tmp_path):
         ix = Index.open(out)
         assert [ix.decode(ix.tokens(*ix.document_range(i))) for i in range(3)] == texts
     assert Index.open(tmp_path / "ix-c.parquet").document_source(1) == "b"
+    splits = datasets.DatasetDict(
+        {"train": datasets.Dataset.from_dict({"text": texts}),
+         "test": datasets.Dataset.from_dict({"text": ["held out"]})}
+    )  # fmt: skip
+    splits.save_to_disk(str(tmp_path / "splits"))
+    build(BuildConfig(f"{tmp_path / 'splits'}:test", tmp_path / "ix-test", progress=False))
+    assert Index.open(tmp_path / "ix-test").num_tokens == len("held out")
+    with pytest.raises(SourceError, match="has no split 'dev' \\(it has: train, test\\)"):
+        build(BuildConfig(f"{tmp_path / 'splits'}:dev", tmp_path / "ix-dev", progress=False))
+
+
+def test_a_hub_name_offline_fails_at_once_naming_the_local_formats(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SourceError, match="HF_HUB_OFFLINE is set.*save_to_disk.*Parquet"):
+        build(BuildConfig("wikitext", tmp_path / "out", progress=False))
