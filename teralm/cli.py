@@ -200,7 +200,11 @@ def build_index_main(argv: list[str] | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``teralm build-index | verify-index | query | train | eval | sample | export-fp8``."""
-    parser = argparse.ArgumentParser(prog="teralm", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="teralm",
+        description="teralm: a compact transformer trained and served with a lookup index of "
+        "its whole training corpus. Start with: build-index SOURCE, then teralm train.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_build_args(sub.add_parser("build-index", help="build the index of a corpus"))
     v = sub.add_parser("verify-index", help="check an index: checksums, order, features")

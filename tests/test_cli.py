@@ -222,3 +222,13 @@ def test_summary_and_verify_index(tmp_path):
     match.write_bytes(bytes(data))
     bad = run_cli("verify-index", out)
     assert bad.returncode == 1 and "shard-00001.match" in bad.stdout
+
+
+def test_help_is_plain_text():
+    """``teralm --help`` and each command's help read as text, without docstring markup."""
+    from conftest import cli_here
+
+    for args in (["--help"], ["train", "--help"], ["serve", "--help"], ["build-index", "--help"]):
+        shown = cli_here(*args)
+        assert shown.returncode == 0 and "usage: teralm" in shown.stdout
+        assert "``" not in shown.stdout, args
