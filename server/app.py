@@ -216,9 +216,11 @@ class Job:
         choices: list[Choice],
         wake: Wakeup,
         index: LookupResponse | None,
+        include_usage: bool = False,
     ):
         self.envelope = {"id": completion_id(), "created": now(), "model": model, "index": index}
         self.choices, self.wake = choices, wake
+        self.include_usage = include_usage  # stream a last chunk with the usage
 
     def usage(self) -> Usage:
         prompt = sum(c.prompt_tokens for c in self.choices)
@@ -388,7 +390,8 @@ class CompletionService:
             # up before the sequences are queued, so that its failure leaves nothing running
             index = await asyncio.to_thread(self.lookup_tokens, prompts[0])
         self.engine.submit([c.seq for c in choices])
-        return Job(self.model_name, choices, wake, index)
+        usage = bool(body.stream_options and body.stream_options.include_usage)
+        return Job(self.model_name, choices, wake, index, usage)
 
     async def collect(self, job: Job, request: Request) -> Completion:
         """The whole completion, once every choice has finished."""
@@ -410,6 +413,8 @@ class CompletionService:
             return
         if job.envelope["index"]:
             yield sse(CompletionChunk(**job.envelope, choices=[]))
+        if job.include_usage:
+            yield sse(CompletionChunk(**envelope, choices=[], usage=job.usage()))
         yield "data: [DONE]\n\n"
 
 
@@ -488,6 +493,16 @@ async def completions(body: CompletionRequest, request: Request, service: Servic
     if body.stream:
         return StreamingResponse(service.stream(job, request), media_type="text/event-stream")
     return await service.collect(job, request)
+
+
+@api.post("/v1/chat/completions", include_in_schema=False)
+async def chat_completions() -> None:
+    raise ApiError(
+        "this server serves a base model, which has no chat template: send the text to "
+        "continue to /v1/completions",
+        404,
+        code="no_chat_model",
+    )
 
 
 @api.post("/v1/lookup")

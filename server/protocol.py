@@ -53,6 +53,10 @@ class Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
+class StreamOptions(Request):
+    include_usage: bool = False  # a last chunk with the usage, as OpenAI's API sends it
+
+
 class CompletionRequest(Request):
     model: Text | None = None
     prompt: Text | list[Text] | list[int] | list[list[int]] = ""
@@ -62,6 +66,7 @@ class CompletionRequest(Request):
     top_k: int | None = Field(None, ge=0)
     n: int = Field(1, ge=1)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
     stop: Text | list[Text] | None = Field(None, validate_default=True)
@@ -209,7 +214,8 @@ class LookupResponse(BaseModel):
 
 
 class CompletionChunk(BaseModel):
-    """One server-sent event of a streamed completion (the last one may carry ``index`` alone)."""
+    """One server-sent event of a streamed completion (the last ones may carry ``index`` or,
+    with ``stream_options.include_usage``, ``usage`` alone)."""
 
     id: str
     object: Literal["text_completion"] = "text_completion"
@@ -217,6 +223,7 @@ class CompletionChunk(BaseModel):
     model: str
     choices: list[CompletionChoice]
     index: LookupResponse | None = Field(None, exclude_if=lambda v: v is None)  # when asked
+    usage: Usage | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class Completion(CompletionChunk):

@@ -165,7 +165,9 @@ def add_parsers(sub) -> None:
     s.add_argument("run", type=Path)
     s.add_argument("--index", type=Path, required=True)
     s.add_argument("--prompt", default="def ")
-    s.add_argument("--tokens", type=int, default=200)
+    s.add_argument(
+        "--max-tokens", "--tokens", dest="tokens", type=int, default=200, help="tokens to generate"
+    )
     s.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     s.add_argument("--top-k", type=_positive(int), default=40)
     s.add_argument("--top-p", type=float, default=1.0)
@@ -173,7 +175,7 @@ def add_parsers(sub) -> None:
     s.add_argument(
         "--stop", action="append", default=[], help="end at this text (repeatable; not printed)"
     )
-    _add_precision(s)
+    _add_precision(s, generating=True)
     _add_speculate(s)
     _add_knn(s)
 
@@ -203,7 +205,7 @@ def add_parsers(sub) -> None:
         metavar="MIB",
         help="MiB of recent prompts' keys and values kept for prompts that begin the same (0: off)",
     )
-    _add_precision(v)
+    _add_precision(v, generating=True)
     _add_speculate(v)
     _add_knn(v)
     v.add_argument(
@@ -217,12 +219,14 @@ def add_parsers(sub) -> None:
     x.add_argument("--out", type=Path, required=True)
 
 
-def _add_precision(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--precision",
-        choices=(AUTO, *PRECISIONS),
-        help="auto: bf16 on a GPU or a CPU with native bf16, else fp32",
+def _add_precision(parser: argparse.ArgumentParser, generating: bool = False) -> None:
+    auto = (
+        "auto: bf16 on a GPU, fp32 on every CPU (its fused decoder)"
+        if generating
+        else "auto: bf16 on a GPU, and on a CPU with native bf16 where it measures faster; "
+        "else fp32"
     )
+    parser.add_argument("--precision", choices=(AUTO, *PRECISIONS), help=auto)
 
 
 def _add_knn(parser: argparse.ArgumentParser) -> None:

@@ -232,3 +232,15 @@ def test_help_is_plain_text():
         shown = cli_here(*args)
         assert shown.returncode == 0 and "usage: teralm" in shown.stdout
         assert "``" not in shown.stdout, args
+
+
+def test_python_dash_m_teralm_runs_the_cli():
+    shown = run_cli_module("--help")
+    assert shown.returncode == 0 and "usage: teralm" in shown.stdout, shown.stderr
+
+
+def run_cli_module(*args) -> subprocess.CompletedProcess:
+    """``python -m teralm ARGS``, as ``torchrun -m teralm`` starts it."""
+    return subprocess.run(
+        [sys.executable, "-m", "teralm", *map(str, args)], capture_output=True, text=True, env=ENV
+    )

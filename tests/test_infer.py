@@ -50,8 +50,8 @@ def test_sample_ends_at_a_stop_string(tiny_run):
     completion = greedy(tiny_run["model"], ix, PROMPT, 24)
     stop = completion[10:12]
     sampled = run_cli(
-        "sample", tiny_run["run"], "--index", ix.directory, "--prompt", PROMPT, "--tokens", 24,
-        "--temperature", 0, "--stop", "zzz", "--stop", stop,
+        "sample", tiny_run["run"], "--index", ix.directory, "--prompt", PROMPT, "--max-tokens",
+        24, "--temperature", 0, "--stop", "zzz", "--stop", stop,
     )  # fmt: skip
     assert sampled.returncode == 0, sampled.stderr
     with_index = sampled.stdout.split("--- with the index ---\n")[1].split("\n--- without")[0]

@@ -92,6 +92,23 @@ def test_streaming_equals_the_whole_answer(served):
     )
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == reference(served, "dd", 25)
     assert chunks[-1].choices[0].finish_reason == "length"
+    with_usage = list(
+        c.completions.create(
+            model=served["name"], prompt="dd", max_tokens=25, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert not with_usage[-1].choices and with_usage[-1].usage.completion_tokens == 25
+    assert with_usage[-1].usage.prompt_tokens == 2 and with_usage[-2].choices[0].finish_reason
+
+
+def test_chat_completions_say_to_use_completions(served):
+    import openai
+
+    with pytest.raises(openai.NotFoundError, match="base model.*/v1/completions"):
+        client(served).chat.completions.create(
+            model=served["name"], messages=[{"role": "user", "content": "hi"}]
+        )
 
 
 def test_echo_logprobs_score_the_prompt(served):
