@@ -118,7 +118,7 @@ def _prepare_out(config: BuildConfig, params: dict) -> None:
     """Clear the folder for ``--force`` or when it holds an abandoned build of other ``params``,
     and what a killed run leaves; the caller holds the folder's lock."""
     out = config.out
-    entries = [p for p in out.iterdir() if p.name != fmt.LOCK]
+    entries = fmt.folder_contents(out)
     ours = _index_files(out)
     if entries and not (out / fmt.CATALOG).exists():
         raise BuildError(

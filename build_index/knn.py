@@ -204,22 +204,23 @@ def _start(config: KnnBuildConfig, settings: dict) -> dict:
                 f"{out} holds a kNN datastore built with other settings ({', '.join(different)}); "
                 "choose another --out, or --force to replace it"
             )
-        for p in _contents(out):  # all but the lock this build holds
+        for p in fmt.folder_contents(out):  # all but the lock this build holds
             shutil.rmtree(p) if p.is_dir() else p.unlink()
     m = {"format": FORMAT, "version": VERSION, **settings, "shards": [], "complete": False}
     _write_manifest(out, m)
     return m
 
 
-def _contents(out: Path) -> list[Path]:
-    return [p for p in out.iterdir() if p.name != fmt.LOCK]
-
-
 def build_knn(config: KnnBuildConfig) -> KnnBuildResult:
     """Build (or resume) the datastore; ValueError with a user message when it cannot (a
     FolderBusy at once when another build holds ``out``)."""
     out = config.out
-    if out.is_dir() and not (out / MANIFEST).exists() and _contents(out) and not config.force:
+    if (
+        out.is_dir()
+        and not (out / MANIFEST).exists()
+        and fmt.folder_contents(out)
+        and not config.force
+    ):
         raise ValueError(f"{out} exists and is not a kNN datastore; choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     with fmt.folder_lock(out, "build-knn"):

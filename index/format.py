@@ -224,6 +224,11 @@ def read_manifest(directory: Path) -> dict:
     return manifest
 
 
+def folder_contents(directory: Path) -> list[Path]:
+    """What ``directory`` holds, but its writer's lock file."""
+    return [p for p in Path(directory).iterdir() if p.name != LOCK]
+
+
 class FolderBusy(ValueError):
     """Another process is writing the folder."""
 

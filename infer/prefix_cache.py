@@ -74,10 +74,7 @@ class PrefixCache:
             used = min(n, len(tokens) - 1)
             if used <= 0:
                 break
-            for layer, (k, v) in enumerate(zip(entry.keys, entry.values)):
-                cache.keys[layer][slot, :, :used] = k[:, :used]
-                cache.values[layer][slot, :, :used] = v[:, :used]
-            cache.lengths[slot] = used
+            cache.restore(slot, (entry.keys, entry.values), used)
             self._entries.move_to_end(id(entry))
             return used
         cache.lengths[slot] = 0
@@ -92,13 +89,7 @@ class PrefixCache:
         if known is not None and known.tokens == tuple(tokens) and known.use_index == use_index:
             self._entries.move_to_end(id(known))
             return
-        n = len(tokens)
-        entry = _Entry(
-            tuple(tokens),
-            use_index,
-            [k[slot, :, :n].clone() for k in cache.keys],
-            [v[slot, :, :n].clone() for v in cache.values],
-        )
+        entry = _Entry(tuple(tokens), use_index, *cache.save(slot, len(tokens)))
         if entry.nbytes > self.max_bytes:
             return
         for h in hashes.values():  # the newest holder of a prefix answers for it

@@ -70,21 +70,24 @@ class KVCache:
             for k, v in zip(self.keys, self.values)
         ]
 
-    def save(self, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """A copy of slot ``slot``'s entries, per layer [heads, length, head_dim] (to ``restore``
-        later, in any slot)."""
-        n = int(self.lengths[slot])
-        return [k[slot, :, :n].clone() for k in self.keys], [
-            v[slot, :, :n].clone() for v in self.values
-        ]
+    def save(
+        self, slot: int, n: int | None = None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A copy of slot ``slot``'s first ``n`` entries (all: None), per layer [heads, n,
+        head_dim] (to ``restore`` later, in any slot)."""
+        n = int(self.lengths[slot]) if n is None else n
+        keys = [k[slot, :, :n].clone() for k in self.keys]
+        return keys, [v[slot, :, :n].clone() for v in self.values]
 
-    def restore(self, slot: int, saved: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
-        """Put entries ``save`` copied into slot ``slot``."""
+    def restore(
+        self, slot: int, saved: tuple[list[torch.Tensor], list[torch.Tensor]], n: int | None = None
+    ) -> None:
+        """Put the first ``n`` (all: None) of the entries ``save`` copied into slot ``slot``."""
         keys, values = saved
-        n = keys[0].shape[1]
+        n = keys[0].shape[1] if n is None else n
         for k, v, sk, sv in zip(self.keys, self.values, keys, values):
-            k[slot, :, :n] = sk
-            v[slot, :, :n] = sv
+            k[slot, :, :n] = sk[:, :n]
+            v[slot, :, :n] = sv[:, :n]
         self.lengths[slot] = n
 
     def move(self, source: int, target: int) -> None:
