@@ -3,7 +3,8 @@ the same bytes in the same run, and query latency against the shard count.
 
     pip install -e '.[bench]'          # infini-gram (and tokengrams, where it fits)
     sudo python benchmarks/bench_scale.py [--small 1gb] [--big 4gb] [--cgroup 2G]
-        [--parts capped,identical,peers,shards,cold] [--workers 2] [--shard-counts 1,8,58]
+        [--parts capped,identical,peers,shards,cold,pass1] [--workers 2] [--shard-counts 1,8,58]
+        [--bpe-corpus 256mb]
 
 Corpora are byte-level JSONL streams made from pydocs as in bench_build.py (``Ngb``/``Nmb``: about
 that many bytes of pydocs copies, each later copy with its lines shuffled). ``capped`` builds
@@ -13,8 +14,11 @@ capped as well and compares every file; ``peers`` runs infini-gram's indexer on 
 ``shards`` builds ``--small`` with each of ``--shard-counts`` shards (1, 8 and 58) and times
 bench_query's lookups (32-byte contexts from pydocs documents, and random bytes); ``cold`` times
 lookups and training batches on the ``--small`` index in the page cache and from a memory cgroup
-of a quarter of the index's size (``lookup_probe.py``: pages read per lookup). Prints tables and
-writes benchmarks/results/bench_scale.json.
+of a quarter of the index's size (``lookup_probe.py``: pages read per lookup); ``pass1`` times
+pass 1 alone (read, tokenize, write the shards) on 1 process and on ``--workers``, byte-level on
+``--small`` and BPE (``bpe:8192``, its model trained once beforehand) on ``--bpe-corpus``, and
+checks that both write the same shards. Prints tables and writes
+benchmarks/results/bench_scale.json.
 """
 
 from __future__ import annotations
@@ -236,6 +240,64 @@ def cold_rows(jsonl: Path, workers: int, lookups: int, *flags) -> list[dict]:
     return rows
 
 
+PASS1 = """
+import sys, time
+from pathlib import Path
+from teralm.build_index import builder, sources, tokenize
+from teralm.index.catalog import Catalog
+from teralm.index.tokenizer import load_tokenizer
+source, out, kind, workers = sources.resolve_source(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+catalog = Catalog(out / "catalog.lmdb")
+began = time.perf_counter()
+tokenize.tokenize_pass(source, load_tokenizer(out, kind), catalog, out, 1 << 23, False, builder._run_units, workers)
+print(time.perf_counter() - began)
+"""
+
+
+def pass1_rows(corpus: dict[str, Path], workers: int) -> list[dict]:
+    """Pass 1 alone on 1 and ``workers`` processes, per tokenizer: seconds and shard hashes."""
+    from teralm.build_index.sources import resolve_source
+    from teralm.build_index.tokenize import train_bpe
+
+    rows = []
+    for spec, jsonl in corpus.items():
+        kind, size = spec.split(":")[0], corpus_bytes(jsonl)[0]
+        tokens = {}
+        for n in dict.fromkeys((1, workers)):
+            out = WORK / f"pass1-{kind}-{n}"
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir(parents=True)
+            if kind == "bpe":  # one model for both runs, trained outside the timing
+                if "model" not in tokens:
+                    began = time.perf_counter()
+                    train_bpe(resolve_source(str(jsonl)), int(spec.split(":")[1]), out)
+                    tokens["model"] = (out / "tokenizer.json", time.perf_counter() - began)
+                elif not (out / "tokenizer.json").exists():
+                    shutil.copy(tokens["model"][0], out / "tokenizer.json")
+            run = run_measured([sys.executable, "-c", PASS1, str(jsonl), str(out), kind, str(n)])
+            if run["returncode"]:
+                raise SystemExit(f"pass 1 failed:\n{run['output']}")
+            seconds = float(run["output"].strip().splitlines()[-1])
+            hashes = {p.name: sha256_file(p) for p in sorted(out.glob("shard-*.tokens"))}
+            tokens[n] = hashes
+            rows.append(
+                {
+                    "tokenizer": spec,
+                    "workers": n,
+                    "bytes": size,
+                    "wall_s": seconds,
+                    "mb_per_s": size / seconds / 1e6,
+                    "ratio": seconds / rows[-1]["wall_s"] if n != 1 else 1.0,
+                    "same_shards": str(hashes == tokens[1]),
+                    "bpe_training_s": tokens["model"][1] if kind == "bpe" else None,
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+        for n in (1, workers):
+            shutil.rmtree(WORK / f"pass1-{kind}-{n}", ignore_errors=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", default="1gb")
@@ -245,6 +307,7 @@ def main() -> None:
     parser.add_argument("--lookups", type=int, default=2000, help="per context set, cold part")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--contexts", type=int, default=5000)
+    parser.add_argument("--bpe-corpus", default="256mb", help="the BPE corpus of the pass1 part")
     parser.add_argument(
         "--shard-counts", default="1,8,58", help="the shard sweep's builds (1 needs ~30 GB RAM)"
     )
@@ -303,7 +366,25 @@ def main() -> None:
             )
         )
         shutil.rmtree(WORK / "cold")
-    if "shards" not in parts:  # disk for the big build (it needs about 15 bytes per token)
+    if "pass1" in parts:
+        corpus = {"bytes": small, "bpe:8192": make_corpus(args.bpe_corpus)}
+        results["pass1"] = pass1_rows(corpus, args.workers)
+        print(f"\npass 1 alone (read, tokenize, write shards), 1 and {args.workers} processes")
+        print(
+            table(
+                results["pass1"],
+                [
+                    ("tokenizer", "tokenizer", "s"),
+                    ("workers", "processes", "d"),
+                    ("bytes", "corpus bytes", ",d"),
+                    ("wall_s", "wall s", ".1f"),
+                    ("mb_per_s", "MB/s", ".1f"),
+                    ("ratio", "÷ 1 process", ".2f"),
+                    ("same_shards", "same shards", "s"),
+                ],
+            )
+        )
+    if "capped" in parts and "shards" not in parts:  # disk for the big build (15 B/token)
         shutil.rmtree(small.parent.parent)
     if "capped" in parts:
         row = capped_build(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -11,7 +12,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager, suppress
 from contextvars import ContextVar
@@ -199,6 +200,7 @@ def _units_on_cluster(address: str | None) -> Iterator[None]:
 def _run_units(fn: Callable, args: Iterable[tuple], workers: int, on_done: Callable) -> None:
     """Run ``fn(*a)`` for each ``a`` in-process, on a pool or on the cluster, calling
     ``on_done(result)`` in order of completion (in the parent, which alone writes the catalog).
+    At most two units per worker are handed out ahead of the results read back.
 
     A worker's exception is raised here as itself. On any error the workers are killed at once:
     their unfinished units are not recorded, so the next run does them again.
@@ -216,9 +218,14 @@ def _run_units(fn: Callable, args: Iterable[tuple], workers: int, on_done: Calla
         initializer=_worker_init,
         initargs=(os.getpid(),),
     )
+    waiting = iter(args)
+    running = {pool.submit(fn, *a) for a in itertools.islice(waiting, 2 * workers)}
     try:
-        for future in as_completed([pool.submit(fn, *a) for a in args]):
-            on_done(future.result())
+        while running:
+            done, running = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                on_done(future.result())
+                running |= {pool.submit(fn, *a) for a in itertools.islice(waiting, 1)}
     except BrokenProcessPool:
         raise BuildError(
             "a worker process died (killed, or out of memory?); run the same command again "
@@ -292,7 +299,16 @@ def _build_passes(config, source, kind, vocab, catalog, params) -> BuildResult:
                 tokenizer = load_tokenizer(out, kind)
             else:
                 tokenizer = tokenize.train_bpe(source, vocab, out)
-            tokenize.tokenize_pass(source, tokenizer, catalog, out, config.shard_tokens, progress)
+            tokenize.tokenize_pass(
+                source,
+                tokenizer,
+                catalog,
+                out,
+                config.shard_tokens,
+                progress,
+                _run_units,
+                config.workers,
+            )
             summary = tokenize.finish_tokenize(catalog, out, tokenizer)
             summary.update(vocab_size=tokenizer.vocab_size, token_dtype=tokenizer.dtype.str)
             catalog.put({"p1/done": summary})

@@ -1,6 +1,11 @@
 """Corpus sources for build-index: enwik8/9, the Python stdlib, text files, folders, JSONL, Parquet
 and Hugging Face datasets. Each yields documents in a fixed order, as (label, text) pairs.
 
+A source is a list of pieces that separate processes can read on their own (``Source.pieces``):
+the files of a folder, the row groups of a Parquet file, and ranges of PIECE_BYTES of a plain JSON
+lines file or an enwik dump (the lines, or the pages, that start in the range); other sources are
+one piece. Reading the pieces in order gives the documents in order (``Source.documents``).
+
 Every source is streamed, so memory stays flat however large the corpus: the enwik XML is read in
 chunks of ENWIK_CHUNK_BYTES and split at its ``  <page>`` markers; JSON lines one line at a time;
 Parquet by record batches; Hugging Face datasets by iterating them. A text file (alone or in a folder)
@@ -23,7 +28,7 @@ import urllib.error
 import urllib.request
 import zipfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,10 +63,26 @@ COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4", ".7z")
 ENWIK_CHUNK_BYTES = 16 << 20
 ENWIK_HEADER_BYTES = 1 << 20  # the XML before the first page; enwik's is about 1 KB
 TEXT_PIECE_BYTES = 64 << 20
+PIECE_BYTES = 16 << 20  # of a JSON lines file or an enwik dump, per piece (see Source.pieces)
 PAGE_MARKER = b"  <page>"
 LABEL_FIELDS = ("title", "path", "url", "id")
 
 Document = tuple[str, "str | bytes"]
+# a piece's document: its label, or for a JSON line without a label field the line's number
+# counted from the piece's first line (0); see Source.read
+PieceDocument = tuple["str | int", "str | bytes"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A part of a source that one process reads alone: the documents of ``path`` (``None``: of
+    the whole source) that start in ``[start, stop)`` (bytes; row groups for Parquet, ``stop``
+    -1: to the end), ``size`` bytes of it."""
+
+    path: Path | None
+    start: int = 0
+    stop: int = -1
+    size: int = 0
 
 
 LOCAL_FORMATS = (
@@ -121,17 +142,54 @@ class Source:
         return self.path.stat().st_size
 
     def documents(self) -> Iterator[tuple[Document, int]]:
-        """Yield ((label, text), bytes_read_so_far) in a fixed order."""
-        reader = {
-            "enwik": self._enwik_pages,
-            "folder": self._folder,
-            "text": self._text_file,
-            "jsonl": self._jsonl,
-            "parquet": self._parquet,
-            "hf": self._hf_dataset,
-            "hf_disk": self._hf_saved,
-        }[self.kind]
-        return reader()
+        """Yield ((label, text), bytes_read_so_far) in a fixed order: the pieces' documents."""
+        done, lines = 0, LineNumbers()
+        for piece in self.pieces():
+            reader = self.read(piece)
+            while True:
+                try:
+                    (label, text), end = next(reader)
+                except StopIteration as stop:
+                    lines.passed(piece, stop.value)
+                    break
+                yield (lines.label(piece, label), text), done + end
+            done += piece.size
+
+    def pieces(self) -> list[Piece]:
+        """The source's pieces, in order; the same for the same source, whoever asks."""
+        if self.kind == "folder":
+            return [Piece(f, size=f.stat().st_size) for f in self._files()]
+        if self.kind == "parquet":
+            import pyarrow.parquet as pq
+
+            meta = pq.ParquetFile(self.path).metadata
+            return [
+                Piece(self.path, g, g + 1, meta.row_group(g).total_byte_size)
+                for g in range(meta.num_row_groups)
+            ] or [Piece(self.path, 0, 0)]
+        size = self.total_bytes() or 0
+        if self.kind == "enwik" or self.kind == "jsonl" and self.path.suffix != ".gz":
+            return [
+                Piece(self.path, a, min(a + PIECE_BYTES, size), min(PIECE_BYTES, size - a))
+                for a in range(0, max(size, 1), PIECE_BYTES)
+            ]
+        return [Piece(self.path, size=size)]
+
+    def read(self, piece: Piece) -> Iterator[tuple[PieceDocument, int]]:
+        """Yield ((label, text), bytes of the piece read so far) of one piece's documents, a
+        label being a line number for a JSON line without a label field (see PieceDocument);
+        returns the number of lines of a JSON lines piece (else 0)."""
+        path = piece.path
+        if self.kind == "enwik":
+            return (yield from self._enwik_pages(piece.start, piece.stop))
+        if self.kind == "parquet":
+            return (yield from self._parquet(piece.start, piece.stop))
+        if self.kind in ("hf", "hf_disk"):
+            return (yield from (self._hf_dataset() if self.kind == "hf" else self._hf_saved()))
+        if path.name.endswith((".jsonl", ".jsonl.gz")) or self.kind == "jsonl":
+            return (yield from self._jsonl_records(path, piece.start, piece.stop))
+        label = str(path.relative_to(self.path)) if self.kind == "folder" else path.name
+        return (yield from _text_documents(path, label))
 
     def _files(self) -> list[Path]:
         """Files of a folder source in a fixed order (text files only, for a plain folder)."""
@@ -152,68 +210,82 @@ class Source:
             ]
         return found
 
-    def _folder(self):
-        done = 0
-        for f in self._files():
-            if f.name.endswith((".jsonl", ".jsonl.gz")):
-                for document, _ in self._jsonl_records(f):
-                    yield document, done
-                done += f.stat().st_size
-                continue
-            for document, end in _text_documents(f, str(f.relative_to(self.path))):
-                yield document, done + end
-            done += f.stat().st_size
-
-    def _text_file(self):
-        yield from _text_documents(self.path, self.path.name)
-
-    def _enwik_pages(self):
-        """Split the Wikipedia XML dump into its <page> elements (the header is one document)."""
-        for start, page, end in _split_pages(self.path, ENWIK_CHUNK_BYTES):
+    def _enwik_pages(self, start: int, stop: int):
+        """The pages of the Wikipedia XML dump that start in ``[start, stop)`` (the header before
+        the first page is one document)."""
+        for at, page, end in _split_pages(self.path, ENWIK_CHUNK_BYTES, start, stop):
             title = re.search(rb"<title>(.*?)</title>", page[:4096])
-            label = title.group(1).decode("utf-8", "replace") if title else f"{self.name}@{start}"
-            yield (label, page), end
+            label = title.group(1).decode("utf-8", "replace") if title else f"{self.name}@{at}"
+            yield (label, page), end - start
+        return 0
 
-    def _jsonl(self):
-        yield from self._jsonl_records(self.path)
-
-    def _jsonl_records(self, path: Path):
-        """Records of a JSON-lines file (gzip when it ends in .gz); a label per line."""
+    def _jsonl_records(self, path: Path, start: int = 0, stop: int = -1):
+        """Records of the lines of a JSON-lines file (gzip when it ends in .gz) that start in
+        ``[start, stop)`` (the whole of a gzip file); returns how many lines start there."""
+        lines = 0
         try:
             with open(path, "rb") as raw:
                 f = gzip.GzipFile(fileobj=raw) if path.suffix == ".gz" else raw
-                for lineno, line in enumerate(f, 1):
+                if start:
+                    raw.seek(start - 1)
+                    if raw.read(1) != b"\n":
+                        raw.readline()  # the line that started before the piece is not ours
+                first = at = raw.tell()
+                for line in f:
+                    if 0 <= stop <= at:
+                        break
+                    lines += 1
+                    at += len(line)
                     if not line.strip():
                         continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise SourceError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-                    except UnicodeDecodeError as e:
-                        raise SourceError(
-                            f"{path}:{lineno}: not UTF-8 (byte {e.start} of the line); "
-                            "JSON lines must be UTF-8 text"
-                        ) from None
-                    label, text = self._record(record, f"{path.name}:{lineno}")
-                    _check_no_surrogates(text, f"{path}:{lineno}", self.text_field)
-                    yield (label, text), raw.tell()
+                    yield self._json_record(path, first, lines - 1, line), at - start
         except (EOFError, gzip.BadGzipFile, zlib.error) as e:
             raise SourceError(f"{path}: damaged or truncated gzip file ({e})") from None
         except OSError as e:
             raise SourceError(f"cannot read {path}: {e.strerror or e}") from None
+        return lines
 
-    def _record(self, record, fallback: str) -> Document:
+    def _json_record(self, path: Path, first: int, line: int, data: bytes) -> PieceDocument:
+        """The document of the ``line``-th line (from 0) after the line of ``path`` that starts
+        at byte ``first``."""
+
+        def where() -> str:
+            return f"{path}:{_line_number(path, first) + line}"
+
+        try:
+            record = json.loads(data)
+        except json.JSONDecodeError as e:
+            raise SourceError(f"{where()}: invalid JSON ({e.msg})") from None
+        except UnicodeDecodeError as e:
+            raise SourceError(
+                f"{where()}: not UTF-8 (byte {e.start} of the line); JSON lines must be UTF-8 text"
+            ) from None
+        label, text = self._record(record, where)
+        return (line if label is None else label), text
+
+    def _record(self, record, where: Callable[[], str]) -> tuple[str | None, str]:
+        """(the value of its first label field, or None; its text) of one record, ``where()``
+        naming it in an error."""
         if not isinstance(record, dict) or self.text_field not in record:
             raise SourceError(
-                f"{fallback}: no '{self.text_field}' field; choose the field with --text-field"
+                f"{where()}: no '{self.text_field}' field; choose the field with --text-field"
             )
         text = record[self.text_field]
         if not isinstance(text, str):
-            raise SourceError(f"{fallback}: field '{self.text_field}' is not a string")
-        label = next((str(record[k]) for k in LABEL_FIELDS if k in record), fallback)
-        return label, text
+            raise SourceError(f"{where()}: field '{self.text_field}' is not a string")
+        _check_no_surrogates(text, where, self.text_field)
+        return next((str(record[k]) for k in LABEL_FIELDS if k in record), None), text
 
-    def _parquet(self):
+    def _labelled(self, records, name: str, first_row: int = 1):
+        """Documents of ``records`` (dicts), labelled ``name:row`` where they have no label."""
+        for row, record in enumerate(records, first_row):
+            where = f"{name}:{row}"
+            label, text = self._record(record, where.__str__)
+            yield (where if label is None else label, text), 0
+        return 0
+
+    def _parquet(self, first: int, stop: int):
+        """The rows of row groups ``[first, stop)``."""
         import pyarrow.parquet as pq
 
         table = pq.ParquetFile(self.path)
@@ -224,11 +296,14 @@ class Source:
                 f"(columns: {', '.join(names)})"
             )
         columns = [c for c in dict.fromkeys((self.text_field, *LABEL_FIELDS)) if c in names]
-        row = 0
-        for batch in table.iter_batches(batch_size=1024, columns=columns):
-            for record in batch.to_pylist():
-                row += 1
-                yield self._record(record, f"{self.path.name}:{row}"), 0
+        groups = range(first, min(stop, table.num_row_groups))
+        rows = (
+            record
+            for batch in table.iter_batches(1024, row_groups=groups, columns=columns)
+            for record in batch.to_pylist()
+        )
+        before = sum(table.metadata.row_group(g).num_rows for g in range(first))
+        return (yield from self._labelled(rows, self.path.name, before + 1))
 
     def _hf_dataset(self):
         import datasets
@@ -247,9 +322,7 @@ class Source:
                 f"'{self.name}' is not a file or folder, and loading it as a Hugging Face "
                 f"dataset failed: {_first_line(e)}; {LOCAL_FORMATS}"
             ) from None
-        yield from _guarded(
-            self.name, ((self._record(r, f"{name}:{row}"), 0) for row, r in enumerate(dataset, 1))
-        )
+        return (yield from _guarded(self.name, self._labelled(dataset, name)))
 
     def _hf_saved(self):
         """A dataset written by ``datasets``' ``save_to_disk`` (its train split, if several)."""
@@ -267,11 +340,10 @@ class Source:
             dataset = dataset[split]
         elif self.split is not None:
             raise SourceError(f"{self.path} is a saved dataset of one split; drop ':{self.split}'")
-        for row, record in enumerate(dataset, 1):
-            yield self._record(record, f"{self.path.name}:{row}"), 0
+        return (yield from self._labelled(dataset, self.path.name))
 
 
-def _check_no_surrogates(text: str, where: str, field: str) -> None:
+def _check_no_surrogates(text: str, where: Callable[[], str], field: str) -> None:
     """JSON can spell a lone surrogate (``"\\ud800"``), which is not Unicode text: refuse it."""
     if text.isascii():  # constant time for a str
         return
@@ -279,7 +351,7 @@ def _check_no_surrogates(text: str, where: str, field: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise SourceError(
-            f"{where}: field '{field}' holds a lone surrogate {text[e.start]!r} at character "
+            f"{where()}: field '{field}' holds a lone surrogate {text[e.start]!r} at character "
             f"{e.start}, which is not valid Unicode; fix or remove that record"
         ) from None
 
@@ -287,7 +359,7 @@ def _check_no_surrogates(text: str, where: str, field: str) -> None:
 def _guarded(name: str, records):
     """Re-raise a dataset library's errors while streaming as a SourceError."""
     try:
-        yield from records
+        return (yield from records)
     except SourceError:
         raise
     except Exception as e:
@@ -298,35 +370,79 @@ def _first_line(e: Exception) -> str:
     return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
-def _split_pages(path: Path, chunk_bytes: int) -> Iterator[tuple[int, bytes, int]]:
-    """(start, bytes, end) of each document of an enwik file: the header before the first
-    PAGE_MARKER (when not empty), then each page up to the next marker or the end of the file.
-    Read ``chunk_bytes`` at a time; only the unfinished document is carried over, so memory is
-    a chunk plus the longest page."""
+def _split_pages(
+    path: Path, chunk_bytes: int, start: int = 0, stop: int = -1
+) -> Iterator[tuple[int, bytes, int]]:
+    """(start, bytes, end) of each document of an enwik file that starts in ``[start, stop)``
+    (``stop`` -1: to the end): the header before the first PAGE_MARKER (when not empty), then
+    each page up to the next marker or the end of the file. Read ``chunk_bytes`` at a time; only
+    the unfinished document is carried over, so memory is a chunk plus the longest page."""
     buf = bytearray()
-    start = 0  # file offset of buf[0], the start of the unfinished document
+    base = start  # file offset of buf[0]
+    doc = 0 if start == 0 else -1  # where in buf the unfinished document starts (-1: none yet)
     scan = 0  # where in buf the next marker may start
     pages = False
     try:
         with open(path, "rb") as f:
+            f.seek(start)
             while chunk := f.read(chunk_bytes):
                 buf += chunk
                 while (cut := buf.find(PAGE_MARKER, scan)) >= 0:
-                    if cut:
-                        yield start, bytes(buf[:cut]), start + cut
+                    if doc >= 0 and cut > doc:
+                        yield base + doc, bytes(buf[doc:cut]), base + cut
+                    if 0 <= stop <= base + cut:
+                        return
                     del buf[:cut]
-                    start, scan, pages = start + cut, len(PAGE_MARKER), True
-                scan = max(scan, len(buf) - len(PAGE_MARKER) + 1)
-                if not pages and len(buf) > ENWIK_HEADER_BYTES:
+                    base, doc, scan, pages = base + cut, 0, len(PAGE_MARKER), True
+                if doc < 0:  # nothing of ours yet: keep what may begin a marker
+                    keep = len(PAGE_MARKER) - 1
+                    base += max(0, len(buf) - keep)
+                    del buf[:-keep]
+                    scan = 0
+                else:
+                    scan = max(scan, len(buf) - len(PAGE_MARKER) + 1)
+                if start == 0 and not pages and len(buf) > ENWIK_HEADER_BYTES:
                     break
     except OSError as e:
         raise SourceError(f"cannot read {path}: {e.strerror or e}") from None
-    if not pages:
+    if start == 0 and not pages:
         raise SourceError(
             f"{path} is not a Wikipedia XML dump: no {PAGE_MARKER.decode()!r} in its first "
             f"{len(buf):,} bytes"
         )
-    yield start, bytes(buf), start + len(buf)
+    if doc >= 0:
+        yield base + doc, bytes(buf[doc:]), base + len(buf)
+
+
+def _line_number(path: Path, offset: int) -> int:
+    """The number (from 1) of the line of ``path`` that starts at byte ``offset``."""
+    lines = 1
+    with open(path, "rb") as f:
+        while offset > 0 and (data := f.read(min(offset, 1 << 24))):
+            lines += data.count(b"\n")
+            offset -= len(data)
+    return lines
+
+
+class LineNumbers:
+    """Turns the line numbers of a source's pieces' documents (see PieceDocument) into labels
+    ``file:line``: fed each piece's line count in order (``passed``), it knows where each piece
+    of a file starts."""
+
+    def __init__(self, path: Path | None = None, first: int = 1):
+        self.path, self.first = path, first  # the first line of the next piece of ``path``
+
+    def label(self, piece: Piece, label: str | int) -> str:
+        """The label of a document of ``piece``, the piece after the last one ``passed``."""
+        if isinstance(label, str):
+            return label
+        first = self.first if piece.path == self.path else 1
+        return f"{piece.path.name}:{first + label}"
+
+    def passed(self, piece: Piece, lines: int | None) -> None:
+        """Count the lines of a piece read whole."""
+        self.first = (self.first if piece.path == self.path else 1) + (lines or 0)
+        self.path = piece.path
 
 
 def _text_documents(path: Path, label: str) -> Iterator[tuple[Document, int]]:

@@ -7,16 +7,17 @@ starts (document number and offset), so a re-run skips straight there.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from teralm.build_index.sources import Source, SourceError
+from teralm.build_index.sources import LineNumbers, Piece, Source, SourceError
 from teralm.index import format as fmt
 from teralm.index.catalog import Catalog, doc_key, unit_key
-from teralm.index.tokenizer import BPETokenizer, Tokenizer
+from teralm.index.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
 
 BPE_SAMPLE_BYTES = 64 << 20
 BATCH_BYTES = 8 << 20
@@ -52,28 +53,115 @@ def _as_text(label: str, text: str | bytes) -> str:
         ) from None
 
 
-def _tokenized(source: Source, tokenizer: Tokenizer, skip: int, bar) -> Iterator[tuple]:
-    """(doc number, label, tokens) for documents ``skip`` onwards, encoded in batches."""
-    batch: list[tuple[int, str, str | bytes]] = []
-    size = 0
+@dataclass
+class PieceTokens:
+    """One piece's documents tokenized (see ``tokenize_piece``)."""
 
-    def flush():
-        bpe = isinstance(tokenizer, BPETokenizer)
-        texts = [_as_text(label, text) if bpe else text for _, label, text in batch]
-        for (i, label, _), tokens in zip(batch, tokenizer.encode_batch(texts)):
-            yield i, label, tokens
+    index: int
+    labels: list[str | int]
+    tokens: list[np.ndarray]
+    lines: int
 
-    for i, ((label, text), done) in enumerate(source.documents()):
-        if done:
-            bar.update(done - bar.n)
-        if i < skip:
+
+_tokenizers: dict[tuple[str, str], Tokenizer] = {}
+
+
+def tokenize_piece(source: Source, piece: Piece, index: int, kind: str, out: Path, skip: int):
+    """Read ``piece`` (the ``index``-th) of ``source`` and tokenize its documents (those before the
+    ``skip``-th as empty) in batches of about BATCH_BYTES; any process can run it."""
+    if (kind, str(out)) not in _tokenizers:
+        _tokenizers[kind, str(out)] = load_tokenizer(out, kind)
+    tokenizer = _tokenizers[kind, str(out)]
+    bpe = isinstance(tokenizer, BPETokenizer)
+    result, lines = PieceTokens(index, [], [], 0), []
+
+    def documents():
+        lines.append((yield from source.read(piece)))
+
+    batch, size = [], 0
+    for (label, text), _ in documents():
+        result.labels.append(label)
+        if len(result.labels) <= skip:
+            result.tokens.append(np.empty(0, tokenizer.dtype))
             continue
-        batch.append((i, label, text))
+        batch.append(_as_text(str(label), text) if bpe else text)
         size += len(text)
         if size >= BATCH_BYTES:
-            yield from flush()
+            result.tokens += tokenizer.encode_batch(batch)
             batch, size = [], 0
-    yield from flush()
+    result.tokens += tokenizer.encode_batch(batch)
+    result.lines = lines[0] or 0
+    return result
+
+
+class _ShardWriter:
+    """Pass 1's one writer: appends the pieces' documents, in order, to fixed-size shards; a full
+    shard is written atomically, then recorded with its documents and where to resume."""
+
+    def __init__(self, catalog: Catalog, out: Path, shard_tokens: int, dtype, last: dict | None):
+        self.catalog, self.out = catalog, out
+        last = last or {"shard": -1, "start": 0, "num_tokens": 0, "next_doc": 0, "docs": 0}
+        self.shard, self.written = last["shard"] + 1, last["start"] + last["num_tokens"]
+        self.next_doc, self.docs = last["next_doc"], last["docs"]  # next: of all, even empty
+        self.piece, self.piece_doc = last.get("piece", 0), last.get("piece_doc", 0)
+        self.doc_offset = last.get("doc_offset", 0)
+        path = last.get("path")
+        self.lines = LineNumbers(None if path is None else Path(path), last.get("first_line", 1))
+        self.buf = np.empty(shard_tokens, dtype=dtype)
+        self.fill = 0
+        self.pending: dict[bytes, dict] = {}
+
+    def add(self, piece: Piece, result: PieceTokens) -> None:
+        """Append the documents of the next piece (of a resumed one, from where it stopped)."""
+        for j in range(self.piece_doc, len(result.tokens)):
+            tokens, consumed = result.tokens[j], self.doc_offset
+            start = self.written + self.fill - consumed
+            while consumed < len(tokens):
+                take = min(len(tokens) - consumed, len(self.buf) - self.fill)
+                self.buf[self.fill : self.fill + take] = tokens[consumed : consumed + take]
+                self.fill += take
+                consumed += take
+                if consumed == len(tokens):
+                    self.pending[doc_key(self.docs)] = {
+                        "start": start,
+                        "length": len(tokens),
+                        "source": self.lines.label(piece, result.labels[j]),
+                    }
+                    self.docs += 1
+                if self.fill == len(self.buf):
+                    done = consumed == len(tokens)
+                    self._commit(j + done, 0 if done else consumed)
+            self.next_doc += 1
+            self.piece_doc, self.doc_offset = j + 1, 0
+        self.lines.passed(piece, result.lines)
+        self.piece, self.piece_doc = self.piece + 1, 0
+
+    def finish(self) -> None:
+        """Write the last, partly filled shard."""
+        if self.fill:
+            self._commit(self.piece_doc, 0)
+
+    def _commit(self, piece_doc: int, offset: int) -> None:
+        """Write and record the shard, to resume at document ``piece_doc`` of the current piece
+        (``offset`` tokens into it)."""
+        fmt.write_atomic(fmt.shard_file(self.out, self.shard, "tokens"), self.buf[: self.fill])
+        record = {
+            "shard": self.shard,
+            "start": self.written,
+            "num_tokens": self.fill,
+            "next_doc": self.next_doc + piece_doc - self.piece_doc,
+            "doc_offset": offset,
+            "docs": self.docs,
+            "piece": self.piece,
+            "piece_doc": piece_doc,
+            "path": None if self.lines.path is None else str(self.lines.path),
+            "first_line": self.lines.first,
+        }
+        if self.buf.dtype.itemsize == 1:
+            record["histogram"] = np.bincount(self.buf[: self.fill], minlength=256).tolist()
+        self.catalog.put({unit_key(SHARD_KEY, self.shard): record, **self.pending})
+        self.shard, self.written = self.shard + 1, self.written + self.fill
+        self.fill, self.pending = 0, {}
 
 
 def tokenize_pass(
@@ -83,70 +171,47 @@ def tokenize_pass(
     out: Path,
     shard_tokens: int,
     progress: bool,
+    run_units: Callable,
+    workers: int,
 ) -> None:
-    """Write every shard not yet recorded, resuming after the last recorded one."""
+    """Write every shard not yet recorded, resuming after the last recorded one. The source's
+    pieces are read and tokenized by ``run_units`` (``builder._run_units``' interface) on
+    ``workers`` processes, and appended to the shards here, in order."""
     last = None
     for _, record in catalog.prefixed(SHARD_KEY + "/"):
         last = record
-    shard = 0 if last is None else last["shard"] + 1
-    written = 0 if last is None else last["start"] + last["num_tokens"]
-    next_doc = 0 if last is None else last["next_doc"]
-    doc_offset = 0 if last is None else last["doc_offset"]
-    docs = 0 if last is None else last["docs"]
-
-    buf = np.empty(shard_tokens, dtype=tokenizer.dtype)
-    fill = 0
-    pending: dict[bytes, dict] = {}
-
-    def commit(resume_doc: int, resume_offset: int) -> None:
-        nonlocal shard, written, fill, pending
-        fmt.write_atomic(fmt.shard_file(out, shard, "tokens"), buf[:fill])
-        record = {
-            "shard": shard,
-            "start": written,
-            "num_tokens": fill,
-            "next_doc": resume_doc,
-            "doc_offset": resume_offset,
-            "docs": docs,
-        }
-        if tokenizer.dtype.itemsize == 1:
-            record["histogram"] = np.bincount(buf[:fill], minlength=256).tolist()
-        catalog.put({unit_key(SHARD_KEY, shard): record, **pending})
-        shard, written, fill, pending = shard + 1, written + fill, 0, {}
-
+    if last is not None and "piece" not in last:
+        raise SourceError(
+            f"pass 1 in {out} was started by an older teralm; delete the folder (or give --force) "
+            "to build it again"
+        )
+    writer = _ShardWriter(catalog, out, shard_tokens, tokenizer.dtype, last)
+    pieces = source.pieces()
+    ready: dict[int, PieceTokens] = {}
     bar = tqdm(
         total=source.total_bytes(),
+        initial=sum(p.size for p in pieces[: writer.piece]),
         unit="B",
         unit_scale=True,
         desc="pass 1/4 tokenize",
         disable=not progress,
     )
-    last_doc = next_doc - 1
+
+    def piece_done(result: PieceTokens) -> None:
+        ready[result.index] = result
+        while writer.piece in ready:
+            piece = pieces[writer.piece]
+            writer.add(piece, ready.pop(writer.piece))
+            bar.update(piece.size)
+
+    kind = "bytes" if isinstance(tokenizer, ByteTokenizer) else "bpe"
+    units = [
+        (source, pieces[i], i, kind, out, writer.piece_doc if i == writer.piece else 0)
+        for i in range(writer.piece, len(pieces))
+    ]
     with bar:
-        for i, label, tokens in _tokenized(source, tokenizer, next_doc, bar):
-            last_doc = i
-            skip = doc_offset if i == next_doc else 0
-            if len(tokens) == 0:
-                continue
-            start = written + fill - skip
-            consumed = skip
-            while consumed < len(tokens):
-                take = min(len(tokens) - consumed, shard_tokens - fill)
-                buf[fill : fill + take] = tokens[consumed : consumed + take]
-                fill += take
-                consumed += take
-                if consumed == len(tokens):
-                    pending[doc_key(docs)] = {
-                        "start": start,
-                        "length": len(tokens),
-                        "source": label,
-                    }
-                    docs += 1
-                if fill == shard_tokens:
-                    done = consumed == len(tokens)
-                    commit(i + 1 if done else i, 0 if done else consumed)
-        if fill:
-            commit(last_doc + 1, 0)
+        run_units(tokenize_piece, units, workers, piece_done)
+        writer.finish()
 
 
 def finish_tokenize(catalog: Catalog, out: Path, tokenizer: Tokenizer) -> dict:
