@@ -4,7 +4,7 @@ the same bytes in the same run, and query latency against the shard count.
     pip install -e '.[bench]'          # infini-gram (and tokengrams, where it fits)
     sudo python benchmarks/bench_scale.py [--small 1gb] [--big 4gb] [--cgroup 2G]
         [--parts capped,identical,peers,shards,cold,pass1] [--workers 2] [--shard-counts 1,8,58]
-        [--bpe-corpus 256mb]
+        [--bpe-corpus 256mb] [--pass1-tokenizers bytes,bpe:8192]
 
 Corpora are byte-level JSONL streams made from pydocs as in bench_build.py (``Ngb``/``Nmb``: about
 that many bytes of pydocs copies, each later copy with its lines shuffled). ``capped`` builds
@@ -308,6 +308,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--contexts", type=int, default=5000)
     parser.add_argument("--bpe-corpus", default="256mb", help="the BPE corpus of the pass1 part")
+    parser.add_argument("--pass1-tokenizers", default="bytes,bpe:8192", help="pass1 part's")
     parser.add_argument(
         "--shard-counts", default="1,8,58", help="the shard sweep's builds (1 needs ~30 GB RAM)"
     )
@@ -367,7 +368,8 @@ def main() -> None:
         )
         shutil.rmtree(WORK / "cold")
     if "pass1" in parts:
-        corpus = {"bytes": small, "bpe:8192": make_corpus(args.bpe_corpus)}
+        specs = args.pass1_tokenizers.split(",")
+        corpus = {s: small if s == "bytes" else make_corpus(args.bpe_corpus) for s in specs}
         results["pass1"] = pass1_rows(corpus, args.workers)
         print(f"\npass 1 alone (read, tokenize, write shards), 1 and {args.workers} processes")
         print(

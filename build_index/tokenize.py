@@ -8,6 +8,7 @@ starts (document number and offset), so a re-run skips straight there.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from teralm.build_index.sources import LineNumbers, Piece, Source, SourceError
 from teralm.index import format as fmt
 from teralm.index.catalog import Catalog, doc_key, unit_key
 from teralm.index.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
+from teralm.kernels.sort import byte_histogram
 
 BPE_SAMPLE_BYTES = 64 << 20
 BATCH_BYTES = 8 << 20
@@ -96,10 +98,20 @@ def tokenize_piece(source: Source, piece: Piece, index: int, kind: str, out: Pat
 
 class _ShardWriter:
     """Pass 1's one writer: appends the pieces' documents, in order, to fixed-size shards; a full
-    shard is written atomically, then recorded with its documents and where to resume."""
+    shard is written atomically, then recorded with its documents and where to resume. That
+    happens on the ``saver`` thread (one shard at a time) while the next shard fills."""
 
-    def __init__(self, catalog: Catalog, out: Path, shard_tokens: int, dtype, last: dict | None):
-        self.catalog, self.out = catalog, out
+    def __init__(
+        self,
+        catalog: Catalog,
+        out: Path,
+        shard_tokens: int,
+        dtype,
+        last: dict | None,
+        saver: ThreadPoolExecutor,
+    ):
+        self.catalog, self.out, self.saver = catalog, out, saver
+        self.saving: Future | None = None
         last = last or {"shard": -1, "start": 0, "num_tokens": 0, "next_doc": 0, "docs": 0}
         self.shard, self.written = last["shard"] + 1, last["start"] + last["num_tokens"]
         self.next_doc, self.docs = last["next_doc"], last["docs"]  # next: of all, even empty
@@ -107,7 +119,10 @@ class _ShardWriter:
         self.doc_offset = last.get("doc_offset", 0)
         path = last.get("path")
         self.lines = LineNumbers(None if path is None else Path(path), last.get("first_line", 1))
-        self.buf = np.empty(shard_tokens, dtype=dtype)
+        self.buf, self.spare = (
+            np.empty(shard_tokens, dtype=dtype),
+            np.empty(shard_tokens, dtype=dtype),
+        )
         self.fill = 0
         self.pending: dict[bytes, dict] = {}
 
@@ -137,14 +152,20 @@ class _ShardWriter:
         self.piece, self.piece_doc = self.piece + 1, 0
 
     def finish(self) -> None:
-        """Write the last, partly filled shard."""
+        """Write the last, partly filled shard, and wait until every shard is recorded."""
         if self.fill:
             self._commit(self.piece_doc, 0)
+        self._saved()
+
+    def _saved(self) -> None:
+        """Wait for the shard being saved (raising its error)."""
+        if self.saving is not None:
+            self.saving.result()
+            self.saving = None
 
     def _commit(self, piece_doc: int, offset: int) -> None:
         """Write and record the shard, to resume at document ``piece_doc`` of the current piece
         (``offset`` tokens into it)."""
-        fmt.write_atomic(fmt.shard_file(self.out, self.shard, "tokens"), self.buf[: self.fill])
         record = {
             "shard": self.shard,
             "start": self.written,
@@ -157,11 +178,18 @@ class _ShardWriter:
             "path": None if self.lines.path is None else str(self.lines.path),
             "first_line": self.lines.first,
         }
-        if self.buf.dtype.itemsize == 1:
-            record["histogram"] = np.bincount(self.buf[: self.fill], minlength=256).tolist()
-        self.catalog.put({unit_key(SHARD_KEY, self.shard): record, **self.pending})
+        self._saved()
+        self.saving = self.saver.submit(self._save, self.buf[: self.fill], record, self.pending)
+        self.buf, self.spare = self.spare, self.buf
         self.shard, self.written = self.shard + 1, self.written + self.fill
         self.fill, self.pending = 0, {}
+
+    def _save(self, tokens: np.ndarray, record: dict, documents: dict) -> None:
+        """Write one shard's tokens, then record it with its documents."""
+        fmt.write_atomic(fmt.shard_file(self.out, record["shard"], "tokens"), tokens)
+        if tokens.dtype.itemsize == 1:
+            record["histogram"] = byte_histogram(tokens).tolist()
+        self.catalog.put({unit_key(SHARD_KEY, record["shard"]): record, **documents})
 
 
 def tokenize_pass(
@@ -185,9 +213,10 @@ def tokenize_pass(
             f"pass 1 in {out} was started by an older teralm; delete the folder (or give --force) "
             "to build it again"
         )
-    writer = _ShardWriter(catalog, out, shard_tokens, tokenizer.dtype, last)
     pieces = source.pieces()
     ready: dict[int, PieceTokens] = {}
+    saver = ThreadPoolExecutor(1)  # waited for on the way out, whatever happens
+    writer = _ShardWriter(catalog, out, shard_tokens, tokenizer.dtype, last, saver)
     bar = tqdm(
         total=source.total_bytes(),
         initial=sum(p.size for p in pieces[: writer.piece]),
@@ -209,7 +238,7 @@ def tokenize_pass(
         (source, pieces[i], i, kind, out, writer.piece_doc if i == writer.piece else 0)
         for i in range(writer.piece, len(pieces))
     ]
-    with bar:
+    with saver, bar:
         run_units(tokenize_piece, units, workers, piece_done)
         writer.finish()
 

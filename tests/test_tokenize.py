@@ -16,6 +16,7 @@ from teralm.build_index.sources import Source, resolve_source
 from teralm.index import format as fmt
 from teralm.index.catalog import Catalog
 from teralm.index.tokenizer import ByteTokenizer
+from teralm.kernels.sort import byte_histogram
 
 
 def documents(source: Source) -> list:
@@ -153,3 +154,12 @@ def _pass_1(source: Source, out, run_units) -> None:
         tokenize.tokenize_pass(source, ByteTokenizer(), catalog, out, 7_000, False, run_units, 2)
     finally:
         catalog.close()
+
+
+def test_byte_histogram_is_bincount():
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 3, 4, 5, 1000, 65_539):
+        tokens = rng.integers(0, 256, size=n).astype(np.uint8)
+        if n > 100:
+            tokens[: n // 2] = 7  # runs of one value
+        assert (byte_histogram(tokens) == np.bincount(tokens, minlength=256)).all(), n
