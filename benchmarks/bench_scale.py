@@ -13,8 +13,10 @@ with ``--memory`` 3/4 of it, beside an uncapped build of ``--small``; ``identica
 capped as well and compares every file; ``peers`` runs infini-gram's indexer on ``--small``;
 ``shards`` builds ``--small`` with each of ``--shard-counts`` shards (1, 8 and 58) and times
 bench_query's lookups (32-byte contexts from pydocs documents, and random bytes); ``cold`` times
-lookups and training batches on the ``--small`` index in the page cache and from a memory cgroup
-of a quarter of the index's size (``lookup_probe.py``: pages read per lookup); ``pass1`` times
+lookups, training batches and decode steps on the ``--small`` index in the page cache and from a
+memory cgroup of a quarter of the index's size, first with nothing read ahead, then with 2/3 of
+the group holding the files lookups read first (``lookup_probe.py --memory``: pages read per
+lookup; ``--keep-cold`` keeps that index); ``pass1`` times
 pass 1 alone (read, tokenize, write the shards) on 1 process and on ``--workers``, byte-level on
 ``--small`` and BPE (``bpe:8192``, its model trained once beforehand) on ``--bpe-corpus``, and
 checks that both write the same shards. Prints tables and writes
@@ -201,10 +203,11 @@ def query_rows(jsonl: Path, shard_counts: list[int], workers: int, contexts: int
     return rows
 
 
-def probe_lookups(index: Path, lookups: int, cgroup: MemoryCgroup | None) -> dict:
-    """``lookup_probe.py`` on ``index`` in a fresh process (inside ``cgroup``, if any)."""
+def probe_lookups(index: Path, lookups: int, cgroup: MemoryCgroup | None, memory: int = 0) -> dict:
+    """``lookup_probe.py`` on ``index`` in a fresh process (inside ``cgroup``, if any), with
+    ``memory`` bytes of the index read into memory first."""
     cmd = [sys.executable, str(Path(__file__).with_name("lookup_probe.py")), str(index)]
-    cmd += ["--lookups", str(lookups)]
+    cmd += ["--lookups", str(lookups), "--memory", str(memory)]
     run = run_measured(cgroup.command(cmd) if cgroup else cmd)
     if run["returncode"]:
         raise SystemExit(f"lookup_probe failed:\n{run['output']}")
@@ -224,18 +227,25 @@ def cold_rows(jsonl: Path, workers: int, lookups: int, *flags) -> list[dict]:
                 while f.read(1 << 24):
                     pass
     modes = {"in page cache": probe_lookups(out, lookups, None)}
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    group = MemoryCgroup(size // 4)
-    try:
-        modes[f"cgroup {size // 4 / 2**30:.2f} GiB"] = probe_lookups(out, lookups, group)
-    finally:
-        group.remove()
+    cap = size // 4
+    for resident in (0, cap * 2 // 3):  # 2/3 of the group: the keys and the tokens
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        group = MemoryCgroup(cap)
+        mode = f"cgroup {cap / 2**30:.2f} GiB" + (
+            f", --memory {resident >> 20}M" if resident else ""
+        )
+        try:
+            modes[mode] = probe_lookups(out, lookups, group, resident)
+        finally:
+            group.remove()
     rows = []
     for mode, found in modes.items():
         for name in ("in-corpus", "held-out", "random"):
             rows.append({"memory": mode, "contexts": name, **found[name]})
         rows.append({"memory": mode, "contexts": "FragmentSampler", **found["sampler"]})
+        rows.append({"memory": mode, "contexts": "decode step x16", **found["decode"]})
+        print(f"{mode}: resident {found['resident']}, opened in {found['open_s']:.1f} s")
     print(json.dumps({"index_gib": size / 2**30, "rows": rows}), flush=True)
     return rows
 
@@ -309,6 +319,7 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, default=5000)
     parser.add_argument("--bpe-corpus", default="256mb", help="the BPE corpus of the pass1 part")
     parser.add_argument("--pass1-tokenizers", default="bytes,bpe:8192", help="pass1 part's")
+    parser.add_argument("--keep-cold", action="store_true", help="keep the cold part's index")
     parser.add_argument(
         "--shard-counts", default="1,8,58", help="the shard sweep's builds (1 needs ~30 GB RAM)"
     )
@@ -363,10 +374,13 @@ def main() -> None:
                     ("read_kib_per_lookup", "KiB read/lookup", ".1f"),
                     ("batched_per_s", "batched ctx/s", ",.0f"),
                     ("tokens_per_s", "sampler tok/s", ",.0f"),
+                    ("step_p50_ms", "step p50 ms", ".2f"),
+                    ("faults_per_step", "faults/step", ".1f"),
                 ],
             )
         )
-        shutil.rmtree(WORK / "cold")
+        if not args.keep_cold:
+            shutil.rmtree(WORK / "cold")
     if "pass1" in parts:
         specs = args.pass1_tokenizers.split(",")
         corpus = {s: small if s == "bytes" else make_corpus(args.bpe_corpus) for s in specs}

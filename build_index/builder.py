@@ -57,8 +57,9 @@ def default_memory() -> int:
     return limit // 2
 
 
-def parse_size(text: str) -> int:
-    """Bytes in ``"2G"``, ``"512M"``, ``"64k"`` or a plain number."""
+def parse_size(text: str, flag: str = "--memory") -> int:
+    """Bytes in ``"2G"``, ``"512M"``, ``"64k"`` or a plain number (above 0; errors name
+    ``flag``)."""
     units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     number, unit = text.strip().upper().rstrip("IB"), ""
     if number and number[-1] in units:
@@ -66,9 +67,9 @@ def parse_size(text: str) -> int:
     try:
         size = int(float(number) * units[unit])
     except ValueError:
-        raise ValueError(f"--memory {text!r} is not a size such as 2G or 512M") from None
+        raise ValueError(f"{flag} {text!r} is not a size such as 2G or 512M") from None
     if size <= 0:
-        raise ValueError(f"--memory {text!r} must be more than 0")
+        raise ValueError(f"{flag} {text!r} must be more than 0")
     return size
 
 

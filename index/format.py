@@ -171,11 +171,18 @@ def _as_bytes(data):
     return data
 
 
-def map_for_lookups(path: Path, dtype, count: int = -1, offset: int = 0) -> np.ndarray:
+def map_for_lookups(
+    path: Path, dtype, count: int = -1, offset: int = 0, resident: bool = False
+) -> np.ndarray:
     """``count`` items of ``dtype`` from byte ``offset`` of ``path`` (all that follow: -1) as a
     read-only mapping in a plain ndarray, advised for random access: a page fault then reads
     its page, not the disk's read-ahead window (8 MiB here, which with the index larger than
-    memory read 5.6 MB per fault and pushed out the pages lookups were about to use)."""
+    memory read 5.6 MB per fault and pushed out the pages lookups were about to use).
+    ``resident``: read into this process's memory instead, in one sequential pass."""
+    if resident:
+        data = np.fromfile(path, dtype=dtype, count=count, offset=offset)
+        data.flags.writeable = False
+        return data
     with open(path, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     if hasattr(mmap, "MADV_RANDOM"):

@@ -84,9 +84,9 @@ class QueryEngine:
         follow_dtype = fmt.sort_dtype(stream.dtype, self.separator)
         self._tokens = [_read_only(stream.shard(k)) for k in range(len(stream.sizes))]
         order = m["order"]
-        self.positions = _map(index.directory, "positions", np.uint8)
-        self.follow = _map(index.directory, "follow", follow_dtype)
-        self.buckets = _map(index.directory, "buckets", fmt.BUCKET_DTYPE)
+        self.positions = _map(index, "positions", np.uint8)
+        self.follow = _map(index, "follow", follow_dtype)
+        self.buckets = _map(index, "buckets", fmt.BUCKET_DTYPE)
         self._check(fmt.bucket_problem(self.buckets, index.num_tokens))
         # for the kernels; self._tokens keeps the arrays behind the table alive
         self.corpus = (
@@ -97,7 +97,7 @@ class QueryEngine:
             self.positions,
             order["width"],
             self.follow,
-            _map(index.directory, "keys", fmt.KEY_DTYPE),
+            _map(index, "keys", fmt.KEY_DTYPE),
             self.buckets,
             order["depth"],
         )
@@ -303,13 +303,14 @@ def _flatten(contexts) -> tuple[np.ndarray, np.ndarray]:
     return (np.concatenate(parts) if parts else np.empty(0, np.int64)), starts
 
 
-def _map(directory, kind: str, dtype) -> np.ndarray:
+def _map(index: Index, kind: str, dtype) -> np.ndarray:
     """Read-only mmap of a file of the order as a plain ndarray (numba takes those faster than
-    np.memmap objects), read a page at a time (``fmt.map_for_lookups``)."""
-    path = fmt.order_file(directory, kind)
+    np.memmap objects), read a page at a time (``fmt.map_for_lookups``), or read whole into
+    memory when the index holds that kind resident."""
+    path = fmt.order_file(index.directory, kind)
     if path.stat().st_size == 0:
         return _read_only(np.empty(0, dtype))
-    return fmt.map_for_lookups(path, dtype)
+    return fmt.map_for_lookups(path, dtype, resident=kind in index.resident)
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:

@@ -18,11 +18,32 @@ if TYPE_CHECKING:
     from teralm.index.query import MatchResult, Probability, QueryEngine
 
 
+# what lookups read, most often first: what ``Index.open``'s ``memory`` holds in memory
+RESIDENT_ORDER = ("buckets", "keys", "tokens", "follow", "positions")
+
+
+def resident_kinds(manifest: dict, memory: int) -> frozenset[str]:
+    """The files (by kind, of RESIDENT_ORDER) that ``memory`` bytes hold whole, taken in that
+    order; a kind that does not fit is passed over for the next."""
+    files = manifest["order"]["files"]
+    sizes = {kind: files[kind]["bytes"] for kind in ("buckets", "keys", "follow", "positions")}
+    sizes["tokens"] = sum(s["files"]["tokens"]["bytes"] for s in manifest["shards"])
+    chosen = []
+    for kind in RESIDENT_ORDER:
+        if sizes[kind] <= memory:
+            chosen.append(kind)
+            memory -= sizes[kind]
+    return frozenset(chosen)
+
+
 class ShardedTokens:
     """The global token stream over fixed-size shard files (the last one may be shorter)."""
 
-    def __init__(self, directory: Path, shard_tokens: int, sizes: list[int], dtype):
+    def __init__(
+        self, directory: Path, shard_tokens: int, sizes: list[int], dtype, resident: bool = False
+    ):
         self.directory = Path(directory)
+        self.resident = resident
         self.shard_tokens = shard_tokens
         self.sizes = list(sizes)
         self.dtype = np.dtype(dtype)
@@ -30,12 +51,13 @@ class ShardedTokens:
         self._maps: dict[int, np.ndarray] = {}
 
     def shard(self, k: int) -> np.ndarray:
-        """The tokens of shard ``k`` (a read-only mapping of its file, opened on first use; a
-        plain ndarray, whose item reads cost a tenth of an np.memmap's)."""
+        """The tokens of shard ``k`` (a read-only mapping of its file, or its copy in memory when
+        ``resident``, opened on first use; a plain ndarray, whose item reads cost a tenth of an
+        np.memmap's)."""
         if k not in self._maps:
             path = fmt.shard_file(self.directory, k, "tokens")
             self._maps[k] = (
-                fmt.map_for_lookups(path, self.dtype, self.sizes[k])
+                fmt.map_for_lookups(path, self.dtype, self.sizes[k], resident=self.resident)
                 if self.sizes[k]
                 else np.empty(0, self.dtype)
             )
@@ -72,11 +94,13 @@ class Features(NamedTuple):
 
 
 class Index:
-    """A complete index directory, opened read-only with mmap (nothing is loaded whole)."""
+    """A complete index directory, opened read-only with mmap (nothing is loaded whole), but
+    for the files in ``resident`` (kinds of RESIDENT_ORDER), which are read into memory."""
 
-    def __init__(self, directory: Path, manifest: dict):
+    def __init__(self, directory: Path, manifest: dict, resident: frozenset[str] = frozenset()):
         self.directory = Path(directory)
         self.manifest = manifest
+        self.resident = resident
         self.tokenizer = load_tokenizer(self.directory, manifest["tokenizer"])
         self.vocab_size: int = manifest["vocab_size"]
         self.max_match: int = manifest["max_match"]
@@ -85,7 +109,11 @@ class Index:
         self.no_token: int = self.vocab_size
         sizes = [s["num_tokens"] for s in manifest["shards"]]
         self.stream = ShardedTokens(
-            self.directory, manifest["shard_tokens"], sizes, manifest["token_dtype"]
+            self.directory,
+            manifest["shard_tokens"],
+            sizes,
+            manifest["token_dtype"],
+            "tokens" in resident,
         )
         self.offsets = np.memmap(
             self.directory / fmt.DOCUMENT_OFFSETS, dtype=fmt.OFFSET_DTYPE, mode="r"
@@ -94,9 +122,11 @@ class Index:
         self._catalog: Catalog | None = None
 
     @classmethod
-    def open(cls, directory: str | Path) -> Index:
+    def open(cls, directory: str | Path, memory: int = 0) -> Index:
         """Open a complete index; ValueError with a user message if it is not one (IndexDamaged
-        when a file that readers open is missing or has the wrong size)."""
+        when a file that readers open is missing or has the wrong size). ``memory``: bytes of
+        the files that lookups read most (``resident_kinds``) to read into memory up front,
+        so that a lookup on an index larger than the machine's memory reads few pages."""
         directory = Path(directory)
         if not directory.is_dir():
             raise ValueError(f"{directory}: no such index directory")
@@ -105,7 +135,7 @@ class Index:
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise fmt.damaged(directory, problems[0] + more)
-        return cls(directory, manifest)
+        return cls(directory, manifest, resident_kinds(manifest, memory))
 
     def identity(self) -> dict:
         """What a model trained on this index depends on: its tokens and tokenizer."""

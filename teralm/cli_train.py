@@ -26,6 +26,7 @@ def add_parsers(sub) -> None:
     t = sub.add_parser("train", help="train a model with index lookup")
     t.add_argument("--index", type=Path, required=True, help="index folder (build-index)")
     t.add_argument("--out", type=Path, required=True, help="run folder")
+    add_index_memory(t)
     group = t.add_mutually_exclusive_group()
     group.add_argument("--preset", choices=list(PRESETS), default=None)
     group.add_argument("--config", type=Path, help="TOML file with [model] and [train] tables")
@@ -121,6 +122,7 @@ def add_parsers(sub) -> None:
     e = sub.add_parser("eval", help="held-out bpb / perplexity: model, ∞-gram, interpolation")
     e.add_argument("run", type=Path, help="run folder (or fp8 export)")
     e.add_argument("--index", type=Path, required=True)
+    add_index_memory(e)
     e.add_argument("--max-tokens", type=int, default=100_000, help="held-out targets to score")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.add_argument(
@@ -178,6 +180,7 @@ def add_parsers(sub) -> None:
     _add_precision(s, generating=True)
     _add_speculate(s)
     _add_knn(s)
+    add_index_memory(s)
 
     v = sub.add_parser("serve", help="serve a run and its index over HTTP (OpenAI-compatible)")
     v.add_argument("--index", type=Path, required=True)
@@ -208,6 +211,7 @@ def add_parsers(sub) -> None:
     _add_precision(v, generating=True)
     _add_speculate(v)
     _add_knn(v)
+    add_index_memory(v)
     v.add_argument(
         "--threads",
         type=_positive(int),
@@ -227,6 +231,30 @@ def _add_precision(parser: argparse.ArgumentParser, generating: bool = False) ->
         "else fp32"
     )
     parser.add_argument("--precision", choices=(AUTO, *PRECISIONS), help=auto)
+
+
+def add_index_memory(parser: argparse.ArgumentParser) -> None:
+    """``--index-memory SIZE``: how much of the index to hold in memory (``Index.open``)."""
+    parser.add_argument(
+        "--index-memory",
+        type=_memory_size,
+        default=0,
+        metavar="SIZE",
+        help="read this much of the index into memory up front (e.g. 2G; 0, the default: none), "
+        "the files lookups read most first: key samples, then tokens, followers, positions",
+    )
+
+
+def _memory_size(text: str) -> int:
+    """An argparse type: a size such as 2G, or 0."""
+    from teralm.build_index.builder import parse_size
+
+    if text.strip() == "0":
+        return 0
+    try:
+        return parse_size(text, "--index-memory")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _add_knn(parser: argparse.ArgumentParser) -> None:
@@ -293,7 +321,7 @@ def _train_run(args: argparse.Namespace) -> int:
     from teralm.train.report import plot_loss, summary
 
     try:
-        ix = Index.open(args.index)
+        ix = Index.open(args.index, args.index_memory)
         if args.resume and holds_run(args.out) and not (args.preset or args.config):
             config = saved_config(args.out)
         else:
@@ -409,7 +437,7 @@ def _eval(args: argparse.Namespace) -> int:
     )
 
     try:
-        ix = Index.open(args.index)
+        ix = Index.open(args.index, args.index_memory)
         device = default_device()
         model, state = _load(args, device)
         if model.cfg.vocab_size != ix.vocab_size:
@@ -518,7 +546,7 @@ def _sample(args: argparse.Namespace) -> int:
     from teralm.infer.text import complete
 
     try:
-        ix = Index.open(args.index)
+        ix = Index.open(args.index, args.index_memory)
         model, state = _load(args, default_device(), generating=True)
         check_tokenizer(state, ix)
         knn = _open_knn(args, ix)
@@ -581,7 +609,7 @@ def _serve(args: argparse.Namespace) -> int:
     from teralm.server.protocol import Limits
 
     try:
-        ix = Index.open(args.index)
+        ix = Index.open(args.index, args.index_memory)
         model, state = _load(args, default_device(), generating=True)
         check_tokenizer(state, ix)
         knn = _open_knn(args, ix)

@@ -310,6 +310,8 @@ def test_the_openapi_document_shows_what_the_server_sends(server):
         (["--max-sequences", "0"], "--max-sequences: 0 is not above 0"),
         (["--max-batch", "0"], "--max-batch: 0 is not above 0"),
         (["--timeout", "0"], "--timeout: 0 is not above 0"),
+        (["--index-memory", "lots"], "--index-memory 'lots' is not a size such as 2G"),
+        (["--index-memory=-1G"], "--index-memory '-1G' must be more than 0"),
     ],
 )
 def test_serve_refuses_bad_flags_at_start(tmp_path, flags, words):

@@ -45,13 +45,14 @@ def test_sample_and_server_give_the_same_greedy_completion(tiny_run):
 
 
 def test_sample_ends_at_a_stop_string(tiny_run):
-    """``teralm sample --stop`` prints the greedy completion up to the first stop string."""
+    """``teralm sample --stop`` prints the greedy completion up to the first stop string (with
+    the whole index read into memory)."""
     ix = tiny_run["ix"]
     completion = greedy(tiny_run["model"], ix, PROMPT, 24)
     stop = completion[10:12]
     sampled = run_cli(
         "sample", tiny_run["run"], "--index", ix.directory, "--prompt", PROMPT, "--max-tokens",
-        24, "--temperature", 0, "--stop", "zzz", "--stop", stop,
+        24, "--temperature", 0, "--stop", "zzz", "--stop", stop, "--index-memory", "1G",
     )  # fmt: skip
     assert sampled.returncode == 0, sampled.stderr
     with_index = sampled.stdout.split("--- with the index ---\n")[1].split("\n--- without")[0]

@@ -9,8 +9,10 @@ import pytest
 from conftest import build_docs, random_documents
 from test_features import doc_ids_of
 
+from teralm.index import Index
 from teralm.index import format as fmt
 from teralm.index.query import OnlineMatcher, push_all
+from teralm.index.reader import RESIDENT_ORDER, resident_kinds
 from teralm.kernels import query as kq
 
 
@@ -56,13 +58,42 @@ def random_contexts(rng, x, count):
 @pytest.fixture(params=[0, 1, 2, 3])
 def corpus(request, tmp_path):
     """Random corpora; the last one's order compares only 8 key elements (max_match 2), so most
-    contexts are longer than its depth and are searched shard by shard inside their block."""
+    contexts are longer than its depth and are searched shard by shard inside their block. The
+    second is opened with all its files in memory, the last with those a lookup reads first."""
     rng = np.random.default_rng(40 + request.param)
     docs = random_documents(rng, 12, max_len=90)
     max_match = 32 if request.param < 3 else 2
     ix = build_docs(tmp_path, docs, shard_tokens=int(rng.integers(20, 200)), max_match=max_match)
     assert ix.manifest["order"]["depth"] == max(max_match, 8)
+    if request.param in (1, 3):
+        first = {"buckets", "keys", "tokens"}
+        memory = 1 << 40 if request.param == 1 else _bytes_of(ix, first)
+        ix = Index.open(ix.directory, memory=memory)
+        assert ix.resident == (set(RESIDENT_ORDER) if request.param == 1 else first)
     return ix, rng
+
+
+def _bytes_of(ix: Index, kinds: set[str]) -> int:
+    files = {p: p.stat().st_size for p in ix.directory.iterdir() if p.is_file()}
+    return sum(size for p, size in files.items() if p.suffix.lstrip(".") in kinds)
+
+
+def test_memory_holds_the_files_lookups_read_first():
+    manifest = {
+        "order": {"files": {k: {"bytes": b} for k, b in (("buckets", 8), ("keys", 25))}},
+        "shards": [{"files": {"tokens": {"bytes": 50}}}] * 2,
+    }
+    manifest["order"]["files"] |= {"follow": {"bytes": 60}, "positions": {"bytes": 400}}
+    for memory, kinds in [
+        (0, set()),
+        (32, {"buckets"}),
+        (33, {"buckets", "keys"}),
+        (133, {"buckets", "keys", "tokens"}),
+        (100, {"buckets", "keys", "follow"}),  # tokens do not fit: the next kind that does
+        (193, {"buckets", "keys", "tokens", "follow"}),
+        (593, set(RESIDENT_ORDER)),
+    ]:
+        assert resident_kinds(manifest, memory) == kinds, memory
 
 
 def test_longest_match_and_distribution_equal_brute_force(corpus):
