@@ -89,7 +89,7 @@ def bench_teralm(jsonl: Path, out: Path, workers: int) -> dict:
         **run,
         "tokens": m["num_tokens"],
         "bytes_per_token": m["bytes_per_token"],
-        "passes": m["passes"],
+        "passes": json.loads((out / "build-stats.json").read_text())["passes"],
         "shards": len(m["shards"]),
     }
 

@@ -67,7 +67,8 @@ def build(corpus: Path, out: Path, shard_tokens: int, *flags: str) -> dict:
     if run["returncode"]:
         sys.exit(f"build-index {' '.join(flags)} failed:\n{run['output']}")
     m = json.loads((out / "manifest.json").read_text())
-    passes = {f"{name}_s": p["wall_s"] for name, p in m["passes"].items()}
+    stats = json.loads((out / "build-stats.json").read_text())
+    passes = {f"{name}_s": p["wall_s"] for name, p in stats["passes"].items()}
     return {
         "wall_s": run["wall_s"],
         "tokens": m["num_tokens"],

@@ -45,6 +45,7 @@ from pathlib import Path
 import psutil
 from common import PYDOCS, TERALM, save, table
 
+from teralm.index import format as fmt
 from teralm.model import checkpoint
 from teralm.train.report import read_metrics
 
@@ -238,43 +239,12 @@ def kill_worker(w: Watched) -> bool:
 
 
 def index_differences(ref: Path, out: Path) -> list[str]:
-    """How index ``out`` differs from ``ref``: every file byte for byte (the manifest without its
-    date and timings, the catalog's records without timings); empty when identical."""
-    want, got = {p.name for p in ref.iterdir()}, {p.name for p in out.iterdir()}
-    diffs = [f"missing {n}" for n in sorted(want - got)] + [
-        f"extra {n}" for n in sorted(got - want)
-    ]
-    for name in sorted(want & got):
-        if name == "manifest.json":
-            same = manifest_content(ref / name) == manifest_content(out / name)
-        elif name == "catalog.lmdb":
-            same = catalog_records(ref / name) == catalog_records(out / name)
-        else:
-            same = filecmp.cmp(ref / name, out / name, shallow=False)
-        if not same:
-            diffs.append(f"{name} differs")
-    return diffs
-
-
-def manifest_content(path: Path) -> dict:
-    manifest = json.loads(path.read_text())
-    manifest.pop("passes", None)
-    manifest["build"].pop("created", None)
-    return manifest
-
-
-def catalog_records(path: Path) -> list[tuple]:
-    from teralm.index.catalog import Catalog
-
-    catalog = Catalog(path, readonly=True)
-    try:
-        return [(key, untimed(value)) for key, value in catalog.prefixed(b"")]
-    finally:
-        catalog.close()
-
-
-def untimed(value):
-    return {k: v for k, v in value.items() if k != "seconds"} if isinstance(value, dict) else value
+    """How index ``out`` differs from ``ref``: every file byte for byte but the build's stats
+    (``format.content_digests``); empty when identical."""
+    want, got = fmt.content_digests(ref), fmt.content_digests(out)
+    diffs = [f"missing {n}" for n in sorted(want.keys() - got.keys())]
+    diffs += [f"extra {n}" for n in sorted(got.keys() - want.keys())]
+    return diffs + [f"{n} differs" for n in sorted(want.keys() & got.keys()) if want[n] != got[n]]
 
 
 def run_differences(ref: Path, out: Path) -> list[str]:

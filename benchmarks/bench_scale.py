@@ -40,7 +40,7 @@ from bench_build import bench_infini_gram, corpus_bytes, write_copies
 from bench_query import CONTEXT, latency
 from common import CACHE, TERALM, run_measured, save, table
 
-from teralm.index.format import sha256_file
+from teralm.index.format import BUILD_STATS, content_digests, sha256_file
 
 WORK = CACHE / "scale"
 PYDOCS_BYTES = 61_737_119
@@ -132,7 +132,7 @@ def teralm_build(jsonl: Path, out: Path, workers: int, *flags, cgroup: MemoryCgr
         "ns_per_token": run["wall_s"] / n * 1e9,
         "disk_peak_per_token": disk["peak"] / n,
         "bytes_per_token": m["bytes_per_token"]["total"],
-        "passes": m["passes"],
+        "passes": json.loads((out / BUILD_STATS).read_text())["passes"],
         "cgroup_peak": cgroup.peak() if cgroup else None,
     }
 
@@ -150,13 +150,6 @@ def capped_build(jsonl: Path, out: Path, limit: int, budget: str, workers: int, 
         return report(teralm_build(jsonl, out, workers, "--memory", budget, *flags, cgroup=group))
     finally:
         group.remove()
-
-
-def file_hashes(index: Path) -> dict[str, str]:
-    names = [
-        p for p in sorted(index.iterdir()) if p.name.startswith(("shard-", "order.", "documents"))
-    ]
-    return {p.name: sha256_file(p) for p in names}
 
 
 def query_rows(jsonl: Path, shard_counts: list[int], workers: int, contexts: int) -> list[dict]:
@@ -342,7 +335,7 @@ def main() -> None:
         rows.append(report({"run": f"{args.small} uncapped", **row}))
     if "identical" in parts:
         row = capped_build(small, WORK / "small-capped", limit, budget, args.workers, *shards)
-        row["identical"] = file_hashes(WORK / "small-capped") == file_hashes(WORK / "small")
+        row["identical"] = content_digests(WORK / "small-capped") == content_digests(WORK / "small")
         print(f"byte-identical to the uncapped build: {row['identical']}", flush=True)
         rows.append({"run": f"{args.small} in {args.cgroup} cgroup", **row})
         shutil.rmtree(WORK / "small-capped")

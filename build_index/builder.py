@@ -108,7 +108,7 @@ class BuildResult:
 
 
 def _index_files(out: Path) -> list[Path]:
-    names = {fmt.MANIFEST, fmt.TOKENIZER, fmt.DOCUMENT_OFFSETS, fmt.CATALOG}
+    names = {fmt.MANIFEST, fmt.TOKENIZER, fmt.DOCUMENT_OFFSETS, fmt.CATALOG, fmt.BUILD_STATS}
     return [
         p
         for p in out.iterdir()
@@ -134,7 +134,7 @@ def _prepare_out(config: BuildConfig, params: dict) -> None:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
     for p in _index_files(out):  # leftovers of a killed run: never complete, never read
         if ".tmp" in p.name and p.exists():
-            p.unlink()
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
 def _abandoned(out: Path, params: dict) -> bool:
@@ -348,7 +348,7 @@ def _build_passes(config, source, kind, vocab, catalog, params) -> BuildResult:
             def sorted_done(result):
                 k, seconds, written = result
                 prefix.flush_shard(layout, k)
-                catalog.put({unit_key("p2/shard", k): {"seconds": seconds, "bytes": written}})
+                catalog.put({unit_key("p2/shard", k): {"bytes": written}})
                 bar.update()
 
             _run_units(prefix.sort_one_shard, todo, _sort_workers(layout, config), sorted_done)
@@ -378,7 +378,7 @@ def _features_pass(layout: Layout, catalog: Catalog, config: BuildConfig) -> Non
         _sort_workers(layout, config),  # a shard's positions and features, in memory
         lambda result: catalog.put({unit_key("p3/shard", result[0]): {"tokens": result[1]}}),
     )
-    catalog.put({"p3/done": {"jobs": len(catalog.get("p3/jobs"))}})
+    catalog.put({"p3/done": {}})
 
 
 def _merge_jobs(layout: Layout, catalog: Catalog, config: BuildConfig) -> None:
@@ -538,21 +538,34 @@ def _finalize(
             "files": order_checksums,
         },
         "catalog": verify.catalog_checksum(catalog),
-        "build": {
-            **params,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        },
+        "build": params,
+        "bytes_per_token": bytes_per_token,
+    }
+    if manifest["tokenizer"] == "bpe":
+        manifest["tokenizer_sha256"] = fmt.sha256_file(out / fmt.TOKENIZER)
+    build_stats = {
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "passes": {
             s.name: {"wall_s": round(s.wall_s, 3), "peak_rss": s.peak_rss}
             for s in stats[:3]
             if not s.skipped
         },
-        "bytes_per_token": bytes_per_token,
+        "features_jobs": len(catalog.get("p3/jobs") or []),
     }
-    if manifest["tokenizer"] == "bpe":
-        manifest["tokenizer_sha256"] = fmt.sha256_file(out / fmt.TOKENIZER)
+    fmt.write_atomic(out / fmt.BUILD_STATS, json.dumps(build_stats, indent=1).encode())
+    catalog.rewrite(_finished_records(catalog))
     fmt.write_atomic(out / fmt.MANIFEST, json.dumps(manifest, indent=1).encode())
     return manifest
+
+
+def _finished_records(catalog: Catalog) -> dict[bytes, object]:
+    """The catalog of a finished build: its documents and progress records, without those of
+    pass 3's plan (which depends on --workers and --memory); its end is recorded."""
+    return {
+        key: value
+        for key, value in catalog.prefixed(b"")
+        if not key.startswith(b"p3/") or key == b"p3/done"
+    }
 
 
 def format_summary(result: BuildResult, out: Path, wall_s: float) -> str:

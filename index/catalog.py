@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import lmdb
+
+from teralm.index.format import fsync_path
 
 MAP_SIZE = 1 << 40  # address space only; the file grows with its content
 
@@ -29,16 +33,21 @@ class Catalog:
 
     def __init__(self, path: Path, readonly: bool = False):
         self.path = Path(path)
-        self.env = lmdb.open(
-            str(self.path),
+        self.readonly = readonly
+        self.env = self._open(self.path, readonly)
+        if readonly:
+            self._check_length()
+
+    @staticmethod
+    def _open(path: Path, readonly: bool) -> lmdb.Environment:
+        return lmdb.open(
+            str(path),
             map_size=MAP_SIZE,
             readonly=readonly,
             lock=not readonly,
             subdir=True,
             max_dbs=0,
         )
-        if readonly:
-            self._check_length()
 
     def _check_length(self) -> None:
         """Refuse a data file shorter than the pages its header counts: reading past its end
@@ -50,7 +59,29 @@ class Catalog:
             raise lmdb.CorruptedError(f"data.mdb is {size} bytes, its header counts {needed}")
 
     def close(self) -> None:
+        """Close it; a writer also removes LMDB's lock file (it holds process ids, and is made
+        again by the next writer), so that a finished folder's files depend on its content only."""
         self.env.close()
+        if not self.readonly:
+            (self.path / "lock.mdb").unlink(missing_ok=True)
+
+    def rewrite(self, records: dict[bytes, object]) -> None:
+        """Replace the whole content by ``records``, written in key order in one transaction
+        into a fresh data file that then replaces the old one at once: the same records always
+        give the same bytes, whatever writes came before."""
+        fresh = self.path.with_name(self.path.name + ".tmp")
+        shutil.rmtree(fresh, ignore_errors=True)
+        env = self._open(fresh, False)
+        with env.begin(write=True) as txn:
+            for key in sorted(records):
+                txn.put(key, json.dumps(records[key]).encode(), append=True)
+        env.sync(True)
+        env.close()
+        self.env.close()
+        os.replace(fresh / "data.mdb", self.path / "data.mdb")
+        fsync_path(self.path)
+        shutil.rmtree(fresh)
+        self.env = self._open(self.path, self.readonly)
 
     def get(self, key: str | bytes):
         with self.env.begin() as txn:

@@ -20,7 +20,11 @@ are refused with a request to rebuild):
   searches run over it before they touch ``order.positions``.
 - ``order.buckets``: uint64[65537]: where each bucket (the leading 16 bits of the sort key)
   starts in the order; searches start there.
-- ``catalog.lmdb``: documents (start, length, source) and build progress records.
+- ``catalog.lmdb``: documents (start, length, source) and build progress records; rewritten in
+  key order when the build ends, so that it depends on its records only.
+- ``build-stats.json``: when the build ended and what each pass cost (time, peak memory). Not
+  part of the index: two builds of the same input with the same flags give the same files but
+  this one.
 - ``.lock``: held (``flock``) by the one build writing the folder, and naming it.
 
 Sort key of position ``t``: its reversed context ``x[t], x[t-1], ...`` back to the start of its
@@ -52,6 +56,7 @@ MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
 DOCUMENT_OFFSETS = "documents.offsets"
 CATALOG = "catalog.lmdb"
+BUILD_STATS = "build-stats.json"  # what a build cost: not part of the index
 LOCK = ".lock"
 BUCKET_DTYPE = np.dtype("<u8")
 NUM_BUCKETS = 1 << 16
@@ -113,6 +118,18 @@ def sha256_file(path: Path, bar=None) -> str:
             if bar is not None:
                 bar.update(len(chunk))
     return digest.hexdigest()
+
+
+def content_digests(directory: Path) -> dict[str, str]:
+    """The sha256 of every file of an index folder by its path in the folder, but BUILD_STATS:
+    two builds of the same input with the same flags give the same, killed and resumed or not,
+    on one machine or a cluster."""
+    directory = Path(directory)
+    return {
+        str(p.relative_to(directory)): sha256_file(p)
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != BUILD_STATS
+    }
 
 
 def write_atomic(path: Path, data, sync: bool = True) -> None:

@@ -89,10 +89,13 @@ def write_jsonl(path: Path, docs: list[str]) -> Path:
 
 def build_docs(tmp_path: Path, docs: list[str], **kwargs) -> Index:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    source = write_jsonl(tmp_path / "corpus.jsonl", docs)
-    config = BuildConfig(source=str(source), out=tmp_path / "index", progress=False, **kwargs)
-    build(config)
-    return Index.open(tmp_path / "index")
+    return build_source(write_jsonl(tmp_path / "corpus.jsonl", docs), tmp_path / "index", **kwargs)
+
+
+def build_source(source: Path, out: Path, **kwargs) -> Index:
+    """The index of ``source`` built in ``out`` (two builds of one source have the same files)."""
+    build(BuildConfig(source=str(source), out=out, progress=False, **kwargs))
+    return Index.open(out)
 
 
 @pytest.fixture

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import build_docs, random_documents, write_jsonl
+from conftest import random_documents, write_jsonl
 
+from teralm.build_index import BuildConfig, build
 from teralm.index import Index
 from teralm.index import format as fmt
 
@@ -41,13 +42,12 @@ def assert_clean_failure(result: subprocess.CompletedProcess, out: Path, *words:
     assert not (out / "manifest.json").exists()
 
 
-def content_files(directory: Path) -> dict[str, bytes]:
-    names = [
-        p
-        for p in sorted(directory.iterdir())
-        if p.name.startswith(("shard-", "order.", "documents"))
-    ]
-    return {p.name: p.read_bytes() for p in names}
+def content_files(directory: Path) -> dict[str, str]:
+    """The sha256 of every file of an index folder (the catalog's and the manifest included),
+    but the build's stats."""
+    digests = fmt.content_digests(directory)
+    assert fmt.MANIFEST in digests and f"{fmt.CATALOG}/data.mdb" in digests
+    return digests
 
 
 def test_killed_build_resumes_to_identical_index(tmp_path):
@@ -57,7 +57,8 @@ def test_killed_build_resumes_to_identical_index(tmp_path):
         for n in rng.integers(100, 3000, size=300)
     ]
     source = write_jsonl(tmp_path / "corpus.jsonl", docs)
-    reference = build_docs(tmp_path / "ref", docs, shard_tokens=100_000)
+    build(BuildConfig(str(source), tmp_path / "ref", shard_tokens=100_000, progress=False))
+    reference = Index.open(tmp_path / "ref")
 
     out = tmp_path / "killed"
     args = [
@@ -96,6 +97,26 @@ def test_killed_build_resumes_to_identical_index(tmp_path):
     assert Index.open(out).manifest["shards"] == reference.manifest["shards"]
     again = run_cli(*args[3:])
     assert again.returncode == 0 and "already complete" in again.stdout
+
+
+def test_two_builds_of_one_input_give_the_same_files(tmp_path):
+    """``sha256sum`` over every file of two builds of the same corpus and flags (one on a pool
+    of workers with another memory budget): the same, but the build's stats."""
+    rng = np.random.default_rng(2)
+    source = write_jsonl(tmp_path / "corpus.jsonl", random_documents(rng, 80, max_len=3000))
+    sums = []
+    for name, more in (("a", []), ("b", ["--workers", "2", "--memory", "700M"])):
+        out = tmp_path / name
+        built = run_cli("build-index", source, "--out", out, "--shard-tokens", 20_000, *more)
+        assert built.returncode == 0, built.stderr
+        assert (out / fmt.BUILD_STATS).exists()
+        listed = subprocess.run(
+            "find . -type f ! -name build-stats.json -print0 | sort -z | xargs -0 sha256sum",
+            shell=True, cwd=out, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        sums.append(listed.stdout)
+    assert sums[0] == sums[1]
+    assert "./catalog.lmdb/data.mdb" in sums[0] and "./manifest.json" in sums[0]
 
 
 def test_missing_source(tmp_path):

@@ -75,12 +75,14 @@ def _pages(path: Path) -> int:
 
 def _fill_size(index: Path, fill_pass: str) -> int:
     """A tmpfs size that runs out halfway through what ``fill_pass`` writes (from the
-    reference index's file sizes; the catalog counted at its final size)."""
+    reference index's file sizes)."""
 
     def total(*kinds: str) -> int:
         return sum(_pages(p) for p in index.iterdir() if p.suffix.lstrip(".") in kinds)
 
-    catalog = sum(_pages(p) for p in (index / fmt.CATALOG).iterdir())
+    # the catalog as the build leaves it is rewritten compactly; while it runs, LMDB's file
+    # holds old pages too, and a lock file
+    catalog = 2 * sum(_pages(p) for p in (index / fmt.CATALOG).iterdir()) + 64 * 1024
     tokens, order = total("tokens", "offsets"), _order_bytes(index)
     prefix = 4 * total("tokens")  # pass 2's sorted positions, uint32 per byte token
     records = Catalog(index / fmt.CATALOG, readonly=True)
@@ -107,10 +109,12 @@ def _unfinished_pass(out: Path) -> str:
             return "tokenize"
         if len(list(catalog.prefixed("p2/shard/"))) < len(p1["sizes"]):
             return "sort"
+        if catalog.get("p3/done") is not None:
+            return "finalize"
         jobs = catalog.get("p3/jobs")
         if jobs is None or len(list(catalog.prefixed("p3/job/"))) < len(jobs):
             return "features"
-        return "match files" if catalog.get("p3/done") is None else "finalize"
+        return "match files"
     finally:
         catalog.close()
 

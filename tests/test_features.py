@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import build_docs, random_documents
+from conftest import build_docs, build_source, random_documents, write_jsonl
 
 from teralm.index import Index
 from teralm.index import format as fmt
@@ -180,12 +180,12 @@ def test_tiny_memory_budget_gives_identical_files(tmp_path):
     from teralm.build_index.builder import WORKER_BYTES
 
     rng = np.random.default_rng(12)
-    docs = random_documents(rng, 600, max_len=600)
-    large = build_docs(tmp_path / "large", docs, shard_tokens=30_000)
+    source = write_jsonl(tmp_path / "corpus.jsonl", random_documents(rng, 600, max_len=600))
+    large = build_source(source, tmp_path / "large", shard_tokens=30_000)
     memory = (
         2 * WORKER_BYTES + 28 * 100_000
     )  # what sorting needs: chunks of ~1,500 entries per shard
-    small = build_docs(tmp_path / "small", docs, shard_tokens=30_000, memory=memory)
+    small = build_source(source, tmp_path / "small", shard_tokens=30_000, memory=memory)
     assert content_files(large.directory) == content_files(small.directory)
     assert large.manifest["order"] == small.manifest["order"]
 
@@ -200,8 +200,9 @@ def test_pass3_job_replaces_work_files_a_killed_run_left(tmp_path, monkeypatch):
 
     rng = np.random.default_rng(13)
     docs = random_documents(rng, 600, max_len=600)  # jobs of ~45,000 entries, 8,300 in memory
+    source = write_jsonl(tmp_path / "corpus.jsonl", docs)
     options = {"shard_tokens": 30_000, "workers": 1, "memory": 2 * WORKER_BYTES + 28 * 100_000}
-    clean = build_docs(tmp_path / "clean", docs, **options)
+    clean = build_source(source, tmp_path / "clean", **options)
     real_job, left = features.features_job, []
 
     def after_a_killed_run(layout, firsts, spans, global_start, chunk):
@@ -211,7 +212,7 @@ def test_pass3_job_replaces_work_files_a_killed_run_left(tmp_path, monkeypatch):
         return real_job(layout, firsts, spans, global_start, chunk)
 
     monkeypatch.setattr(features, "features_job", after_a_killed_run)
-    resumed = build_docs(tmp_path / "resumed", docs, **options)
+    resumed = build_source(source, tmp_path / "resumed", **options)
     assert left and not any(path.exists() for path in left)
     assert content_files(clean.directory) == content_files(resumed.directory)
 
