@@ -352,7 +352,7 @@ def _train_run(args: argparse.Namespace) -> int:
     if result.main:
         plot_loss(args.out)
         print(summary(args.out, result))
-    if worker is not None and not args.quiet:
+    if worker is not None:  # every worker, even a quiet one: the line is the result
         print(
             f"worker {worker.replica}: {result.rounds} rounds, {result.bytes_sent:,} bytes sent; "
             f"global weights sha256 {result.weights_sha256}",

@@ -350,6 +350,23 @@ def test_recovery_state_travels_as_safetensors_and_json():
         receiver.shutdown()
 
 
+def test_every_worker_started_by_lighthouse_auto_names_the_global_weights(corpus, tmp_path):
+    """``--lighthouse auto`` starts the workers (all but the first quiet); each one ends with
+    the sha256 of the global weights, and they agree."""
+    command = [
+        sys.executable, "-m", "teralm.cli", "train", "--index", corpus.directory, "--out",
+        tmp_path / "run", "--config", config_file(tmp_path), "--mode", "diloco", "--replicas", 2,
+        "--lighthouse", "auto", "--outer-timeout", 30,
+    ]  # fmt: skip
+    done = subprocess.run(
+        list(map(str, command)), env=torchrun_env(), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    lines = DIGEST.findall(done.stderr)
+    assert sorted(int(w) for w, _, _ in lines) == [0, 1], done.stderr
+    assert len({sha for _, _, sha in lines}) == 1
+
+
 def test_a_lighthouse_that_goes_away_ends_the_worker_with_a_clear_error(corpus, tmp_path):
     """A worker whose lighthouse stops answering exits with a message naming it once the outer
     timeout passes; one started with no lighthouse at all says it cannot reach it."""
