@@ -490,6 +490,7 @@ async def models(service: Service) -> ModelList:
 @api.post("/v1/completions", response_model=Completion, responses=STREAMED)
 async def completions(body: CompletionRequest, request: Request, service: Service):
     job = await service.submit(body)
+    request.state.job = job  # for the access log's token counts
     if body.stream:
         return StreamingResponse(service.stream(job, request), media_type="text/event-stream")
     return await service.collect(job, request)

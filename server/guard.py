@@ -6,6 +6,7 @@ request's headers (``http_config``)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -67,12 +68,15 @@ class BodyTooLarge(Exception):
 
 
 CLIENT_LEFT = 499  # as nginx and vLLM count a request whose client hung up before its answer
+access_log = logging.getLogger("teralm.access")  # a line per response, at INFO (teralm serve)
 
 
 class Guard:
     """Answers 413 for a body over ``max_body_bytes``, counted as it arrives, so a chunked body
     is held to the limit too; otherwise hands the app the body it read. Counts every response,
-    as ``CLIENT_LEFT`` when the client hung up before its response was whole."""
+    as ``CLIENT_LEFT`` when the client hung up before its response was whole, and logs it to
+    ``access_log`` (with the tokens of the completion job the route left in the request's
+    state, if any)."""
 
     def __init__(self, app: ASGIApp, metrics: RequestMetrics, max_body_bytes: int):
         self.app, self.metrics, self.max_body_bytes = app, metrics, max_body_bytes
@@ -105,6 +109,7 @@ class Guard:
             if left or status is not None:
                 status = CLIENT_LEFT if left else status
                 self.metrics.record(status, time.perf_counter() - began)
+                _log_access(scope, status, time.perf_counter() - began)
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -132,6 +137,20 @@ class Guard:
                 raise BodyTooLarge
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+
+def _log_access(scope: Scope, status: int, seconds: float) -> None:
+    """``client "METHOD path" status [prompt P completion C] seconds`` at INFO."""
+    if not access_log.isEnabledFor(logging.INFO):
+        return
+    job = scope.get("state", {}).get("job")
+    tokens = ""
+    if job is not None:
+        usage = job.usage()
+        tokens = f" prompt {usage.prompt_tokens} completion {usage.completion_tokens}"
+    host = (scope.get("client") or ("-",))[0]
+    method, path = scope["method"], scope["path"]
+    access_log.info('%s "%s %s" %d%s %.3f s', host, method, path, status, tokens, seconds)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

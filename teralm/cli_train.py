@@ -217,6 +217,7 @@ def add_parsers(sub) -> None:
         type=_positive(int),
         help="CPU threads: torch's (default: cores - 1) and the fused decoder's (default: cores)",
     )
+    v.add_argument("--quiet", action="store_true", help="no access log (a line per request)")
 
     x = sub.add_parser("export-fp8", help="write a run's model with fp8 weights")
     x.add_argument("run", type=Path)
@@ -411,7 +412,7 @@ def _load(args: argparse.Namespace, device, generating: bool = False):
     model, state, choice = load_model(args.run, device, args.precision or "auto", generating)
     if choice.warning:
         print(f"warning: {choice.warning}", file=sys.stderr)
-    return model, state
+    return model, state, choice
 
 
 def _open_knn(args: argparse.Namespace, ix):
@@ -439,7 +440,7 @@ def _eval(args: argparse.Namespace) -> int:
     try:
         ix = Index.open(args.index, args.index_memory)
         device = default_device()
-        model, state = _load(args, device)
+        model, state, _ = _load(args, device)
         if model.cfg.vocab_size != ix.vocab_size:
             raise ValueError("the run's vocabulary differs from the index's")
         other = ix.differs_from(state.get("index") or {})
@@ -547,7 +548,7 @@ def _sample(args: argparse.Namespace) -> int:
 
     try:
         ix = Index.open(args.index, args.index_memory)
-        model, state = _load(args, default_device(), generating=True)
+        model, state, _ = _load(args, default_device(), generating=True)
         check_tokenizer(state, ix)
         knn = _open_knn(args, ix)
     except ValueError as e:
@@ -610,7 +611,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         ix = Index.open(args.index, args.index_memory)
-        model, state = _load(args, default_device(), generating=True)
+        model, state, precision = _load(args, default_device(), generating=True)
         check_tokenizer(state, ix)
         knn = _open_knn(args, ix)
     except ValueError as e:
@@ -628,21 +629,59 @@ def _serve(args: argparse.Namespace) -> int:
     )
     name = f"teralm-{args.run.resolve().name}"
     app = create_app(engine, name, limits, key)
-    decoder = "fused CPU kernel" if engine.decoder.fused else "PyTorch"
-    print(f"serving {name} with {args.index} on http://{args.host}:{args.port}", flush=True)
-    print(
-        f"decoder: {decoder}; drafts from the index: up to {engine.speculate} per step", flush=True
-    )
-    if knn is not None:
-        mix = knn.calibration["model"]
-        print(
-            f"kNN: {knn.num_keys:,} keys from {args.knn}, {knn.k} neighbours, weight "
-            f"{mix['lam']:.2f}, temperature {mix['temperature']:.3g}",
-            flush=True,
-        )
+    print(serve_summary(args, name, engine, precision, limits, key is not None), flush=True)
+    if not args.quiet:
+        _log_requests()
     uvicorn.Server(http_config(app, args.host, args.port)).run()
     engine.close()
     return 0
+
+
+def serve_summary(args, name: str, engine, precision, limits, keyed: bool) -> str:
+    """What ``teralm serve`` runs with, printed once at start."""
+    import torch
+
+    ix, model = engine.index, engine.model
+    params = sum(p.numel() for p in model.parameters())
+    memory = ", ".join(sorted(ix.resident)) or "nothing (mapped from disk)"
+    decoder = "fused CPU kernel" if engine.decoder.fused else "PyTorch"
+    lines = [
+        f"teralm serve: {name}",
+        f"  model      {args.run}: {params / 1e6:.1f}M parameters, {precision.precision} "
+        f"({precision.reason})",
+        f"  decoder    {decoder}; {torch.get_num_threads()} torch threads; drafts from the "
+        f"index: up to {engine.speculate} per step",
+        f"  index      {args.index}: {ix.num_tokens:,} tokens ({ix.manifest['tokenizer']}); "
+        f"in memory: {memory}",
+    ]
+    if engine.knn is not None:
+        knn, mix = engine.knn, engine.knn.calibration["model"]
+        lines.append(
+            f"  kNN        {args.knn}: {knn.num_keys:,} keys, {knn.k} neighbours, weight "
+            f"{mix['lam']:.2f}, temperature {mix['temperature']:.3g}"
+        )
+    lines += [
+        f"  limits     prompts of {limits.max_prompt_tokens:,} tokens, completions of "
+        f"{limits.max_tokens:,}, {limits.max_sequences} sequences a request, "
+        f"{engine.max_batch} decoded together, {limits.timeout_s:g} s a request",
+        f"  address    http://{args.host}:{args.port} "
+        f"({'API key required on /v1' if keyed else 'no API key'}); "
+        f"access log {'off' if args.quiet else 'on'}",
+    ]
+    return "\n".join(lines)
+
+
+def _log_requests() -> None:
+    """The access log (``teralm.server.guard.access_log``) to stderr, with the time."""
+    import logging
+
+    from teralm.server.guard import access_log
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    access_log.addHandler(handler)
+    access_log.setLevel(logging.INFO)
+    access_log.propagate = False
 
 
 COMMANDS = {

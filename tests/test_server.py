@@ -23,9 +23,10 @@ from teralm.infer.text import TextStream, token_bytes
 
 
 @pytest.fixture(scope="module")
-def served(tiny_run):
+def served(tiny_run, tmp_path_factory):
     ix, run = tiny_run["ix"], tiny_run["run"]
     port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
     cmd = [
         sys.executable,
         "-m",
@@ -44,11 +45,11 @@ def served(tiny_run):
         "--timeout",
         60,
     ]
-    proc = subprocess.Popen(
-        list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    with open(log, "w") as f:
+        proc = subprocess.Popen(list(map(str, cmd)), stdout=f, stderr=subprocess.STDOUT, text=True)
     wait_until_up(port, alive=lambda: proc.poll() is None)
     yield {
+        "log": log,
         "port": port,
         "ix": ix,
         "run": run,
@@ -57,6 +58,31 @@ def served(tiny_run):
     }
     proc.terminate()
     proc.wait(timeout=30)
+
+
+def test_start_up_summary_and_a_line_per_request(served):
+    """``teralm serve`` says once what it runs with, then logs each response: method, path,
+    status, the completion's tokens and the time."""
+    got = client(served).completions.create(
+        model=served["name"], prompt="abc", max_tokens=7, temperature=0
+    )
+    assert got.usage.completion_tokens == 7
+    code, _ = request(served["port"], "GET", "/v1/models", key="wrong")
+    assert code == 401
+    log = served["log"].read_text()
+    head = log.split("\n  address ")[0]
+    for words in (
+        f"teralm serve: {served['name']}",
+        "M parameters, ",
+        "torch threads",
+        f"{served['ix'].num_tokens:,} tokens (bytes); in memory: nothing",
+        "prompts of 4,096 tokens, completions of 200",
+    ):
+        assert words in head, (words, head)
+    assert f"http://127.0.0.1:{served['port']} (API key required on /v1)" in log
+    lines = log.splitlines()
+    assert any('"POST /v1/completions" 200 prompt 3 completion 7 ' in line for line in lines), log
+    assert any('"GET /v1/models" 401 ' in line for line in lines), log
 
 
 def client(served):
@@ -437,6 +463,7 @@ def test_serve_refuses_another_tokenizer_and_loads_fp8_exports(served, tmp_path)
             str(export),
             "--port",
             str(port),
+            "--quiet",
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -450,7 +477,8 @@ def test_serve_refuses_another_tokenizer_and_loads_fp8_exports(served, tmp_path)
         assert code == 200 and answer["usage"]["completion_tokens"] == 8
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        _, err = proc.communicate(timeout=30)
+    assert "POST /v1/completions" not in err, err  # --quiet: no access log
 
 
 BYTES = token_bytes(ByteTokenizer())
