@@ -3,6 +3,7 @@
     pip install -e '.[knn]'
     python benchmarks/bench_knn.py [--max-tokens 100000] [--queries 2000]
     python benchmarks/bench_knn.py --factories 'IVF8192,PQ32' 'OPQ32_64,IVF8192,PQ32'
+    python benchmarks/bench_knn.py --speed [--speed-bytes 3000000]
 
 Trains the ``tiny`` preset with the index on pydocs (as bench_quality.py does; reused when it is
 there), builds its kNN datastore with ``teralm build-knn`` (default factory), then reports:
@@ -18,20 +19,28 @@ there), builds its kNN datastore with ``teralm build-knn`` (default factory), th
     same text unchanged: the relative gain of the kNN and of the ∞-gram on each.
 Prints tables and writes benchmarks/results/bench_knn.json. With ``--factories``, only the
 search comparison, for each factory trained as the build trains it, with no datastore built
-(benchmarks/results/bench_knn_factories.json).
+(benchmarks/results/bench_knn_factories.json). With ``--speed``, only the build's speed: on the
+first ``--speed-bytes`` of pydocs, with the ``tiny`` preset trained 30 steps on them, the model's
+forward pass over every key alone (as the build batches it, no faiss), then ``teralm build-knn``
+on a quiet machine and beside a busy loop on one core, and recall@8 of the quiet build's first
+shard (benchmarks/results/bench_knn_speed.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
-from common import CACHE, corpus_index, run_measured, save, table, teralm_cli
+from common import CACHE, PYDOCS, corpus_index, run_measured, save, table, teralm_cli
 from common import TERALM as CLI
 
 from teralm.build_index.knn import (
@@ -194,16 +203,18 @@ def recall(index, keys, positions, probes, flat_d, flat_i) -> dict:
     }
 
 
-def search_quality(model, ix: Index, store: KnnDatastore, queries: int) -> dict:
+def search_quality(
+    model, ix: Index, store: KnnDatastore, queries: int, folder: Path = STORE
+) -> dict:
     """Recall@8 of the datastore's first shard against exact search over its recomputed keys,
-    and query times per position."""
+    and query times per position (``folder``: the datastore's)."""
     faiss = import_faiss()
     m = store.manifest
     keys, positions, probes = shard_zero_keys(
         model, ix, m["holdout_every"], m["shard_tokens"], queries
     )
     flat_d, flat_i, flat_s = exact_neighbours(keys, probes)
-    shard = faiss.read_index(str(STORE / TRAINED))  # shard 0 again, from the trained index
+    shard = faiss.read_index(str(folder / TRAINED))  # shard 0 again, from the trained index
     shard.add_with_ids(keys, positions)
     set_nprobe(shard, store.calibration["nprobe"])
     found = recall(shard, keys, positions, probes, flat_d, flat_i)
@@ -269,6 +280,70 @@ FACTORY_COLUMNS = [
 ]
 
 
+FORWARD = """
+import sys, time
+from pathlib import Path
+from teralm.build_index.knn import KeyWriter, training_documents
+from teralm.index import Index
+from teralm.infer.load import load_model
+from teralm.infer.precision import default_device
+from teralm.train.evaluate import document_windows
+ix, device = Index.open(sys.argv[1]), default_device()
+model, state, _ = load_model(Path(sys.argv[2]), device, "auto")
+docs, keys = training_documents(ix, state["config"]["train"]["holdout_every"])
+windows = list(document_windows(ix, docs, model.cfg.max_seq_len))
+writer = KeyWriter(model, ix, device, 16)
+began = time.perf_counter()
+for i in range(0, len(windows), 256):
+    writer.keys(windows[i : i + 256])
+print(time.perf_counter() - began, keys)
+"""
+
+
+def build_speed(corpus_bytes: int, queries: int) -> dict:
+    """The build against the model's forward pass over the same keys (see the docstring)."""
+    work = WORK / "speed"
+    work.mkdir(parents=True, exist_ok=True)
+    corpus, index, run = work / "corpus.jsonl", work / "index", work / "run"
+    if not corpus.exists():
+        with gzip.open(PYDOCS, "rt") as lines, open(corpus, "w") as out:
+            size = 0
+            for line in lines:
+                out.write(line)
+                size += len(json.loads(line)["text"])
+                if size >= corpus_bytes:
+                    break
+    teralm_cli("build-index", corpus, "--out", index, "--quiet")
+    teralm_cli("train", "--index", index, "--out", run, "--preset", "tiny", "--max-steps", 30,
+               "--quiet", "--resume")  # fmt: skip
+    forward = run_measured([sys.executable, "-c", FORWARD, str(index), str(run)])
+    forward_s, keys = forward["output"].split()[-2:]
+    rows = [{"run": "forward pass alone", "wall_s": float(forward_s)}]
+    for beside in ("quiet", "busy loop beside"):
+        hog = (
+            subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            if "busy" in beside
+            else None
+        )
+        try:
+            built = run_measured([*CLI, "build-knn", str(run), "--index", str(index), "--out",
+                                  str(work / "store"), "--force", "--quiet"])  # fmt: skip
+        finally:
+            if hog is not None:
+                hog.kill()
+        if built["returncode"]:
+            raise SystemExit(f"build-knn failed:\n{built['output']}")
+        rows.append({"run": f"build-knn, {beside}", "wall_s": built["wall_s"]})
+        print(built["output"].splitlines()[0], flush=True)
+    for row in rows:
+        row["ratio"] = row["wall_s"] / rows[0]["wall_s"]
+    ix = Index.open(index)
+    model, _, _ = load_model(run, torch.device("cpu"))
+    store = KnnDatastore.open(work / "store", ix, weights_sha256(run))
+    search = search_quality(model, ix, store, queries, work / "store")
+    return {"keys": int(keys), "rows": rows, "plan": built["output"].splitlines()[0], **search}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-tokens", type=int, default=100_000, help="held-out targets")
@@ -281,7 +356,16 @@ def main() -> None:
         help="only compare these faiss factories' recall@8 on the first shard (IVF ones, "
         "nprobe 32), without building the datastore",
     )
+    parser.add_argument("--speed", action="store_true", help="only the build's speed")
+    parser.add_argument("--speed-bytes", type=int, default=3_000_000)
     args = parser.parse_args()
+    if args.speed:
+        result = build_speed(args.speed_bytes, args.queries)
+        print(f"{result['keys']:,} keys; recall@8 of shard 0 {result['recall_at_8']:.3f}")
+        print(table(result["rows"], [("run", "run", "s"), ("wall_s", "wall s", ".1f"),
+                                     ("ratio", "÷ forward", ".2f")]))  # fmt: skip
+        print(f"wrote {save('bench_knn_speed', result)}")
+        return
     _, index = corpus_index("pydocs")
     WORK.mkdir(parents=True, exist_ok=True)
     teralm_cli("train", "--index", index, "--out", RUN, "--preset", "tiny", "--quiet", "--resume")
