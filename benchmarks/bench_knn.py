@@ -33,6 +33,7 @@ import gzip
 import json
 import math
 import re
+import shutil
 import subprocess
 import sys
 import time

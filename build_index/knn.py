@@ -352,12 +352,19 @@ def plan(m: dict, keys: int, documents: int, seconds_per_key: float) -> str:
 
 def expected_bytes(factory: str, keys: int, dim: int) -> int:
     """The datastore's size: a key's code (its dimensions as fp32 for Flat, else the PQ's
-    bytes) and its 8-byte id, plus the IVF lists' centroids."""
-    if "PQ" not in factory:
+    bytes) and its 8-byte id, plus the IVF lists' centroids, the PQ's codebooks and the OPQ
+    rotation, in the dimensions the rotation leaves."""
+    if "PQ" not in factory.replace("OPQ", ""):
         return keys * (4 * dim + 8)
     code = int(factory.rsplit("PQ", 1)[1].split("x")[0])
     lists = int(factory.split("IVF")[1].split(",")[0].split("_")[0]) if "IVF" in factory else 0
-    return keys * (code + 8) + lists * dim * 4
+    rotation = factory.split(",")[0] if factory.startswith("OPQ") else ""
+    reduced = int(rotation.split("_")[1]) if "_" in rotation else dim
+    return (
+        keys * (code + 8)
+        + (lists + 256) * reduced * 4
+        + (dim * reduced * 4 if rotation else 0)
+    )
 
 
 def _minutes(seconds: float) -> str:

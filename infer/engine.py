@@ -57,7 +57,8 @@ log = logging.getLogger("teralm.engine")
 class TokenEvent:
     """One token: its id, log-probability, the top alternatives, and whether it is a prompt
     token (echo). ``finish`` is set on the sequence's last event ("length", or "error" with the
-    ``error``'s message)."""
+    ``error``'s message). ``index``: what the index did for a generated token, when its
+    sequence asked (``Sampling.index_view``)."""
 
     token: int | None
     logprob: float | None = None
@@ -65,6 +66,36 @@ class TokenEvent:
     prompt: bool = False
     finish: str | None = None
     error: str | None = None
+    index: TokenIndex | None = None
+
+
+@dataclass(frozen=True)
+class TokenIndex:
+    """What the index did for one generated token: the longest match of the context before it
+    (the length the model read) and the token that followed that match in the corpus, which
+    the index proposed (None: nothing followed it); the ∞-gram's probability of the token and
+    how many continuations it counted (None and 0 when it counted none); the weight the model's
+    mixture gate gave the ∞-gram (None without a gate or an ∞-gram count); and the kNN
+    neighbours as (corpus position, squared distance), nearest first."""
+
+    match_length: int
+    proposed: int | None
+    infgram_prob: float | None
+    infgram_count: int
+    gate: float | None
+    neighbours: list[tuple[int, float]]
+
+
+@dataclass
+class RowView:
+    """What the index gave one row of the model's output (see TokenIndex), before the token
+    that follows it is sampled."""
+
+    features: tuple[int, int]
+    infgram: torch.Tensor | None = None  # [vocab]
+    infgram_count: int = 0
+    gate: float | None = None
+    neighbours: list[tuple[int, float]] = field(default_factory=list)
 
 
 class Draft(NamedTuple):
@@ -91,6 +122,7 @@ class Sequence:
     cancelled: bool = False
     done: bool = False
     logp: torch.Tensor | None = None  # [1 + drafts, vocab]: after the newest token and each draft
+    views: list[RowView] | None = None  # for each row of logp, when the sampling asks
     drafts: list[Draft] = field(default_factory=list)
     matcher: OnlineMatcher | None = None
     generator: torch.Generator | None = None
@@ -403,9 +435,9 @@ class Engine:
             seq.features = [(0, self.index.no_token)] * len(seq.prompt)
         self.stats.prompt_tokens += len(seq.prompt)
 
-    def _ready(self, seq: Sequence, logp: torch.Tensor) -> None:
-        """A prompt is cached: ``logp`` [1, vocab] is what follows it."""
-        seq.logp = logp
+    def _ready(self, seq: Sequence, logp: torch.Tensor, views: list | None) -> None:
+        """A prompt is cached: ``logp`` [1, vocab] is what follows it (``views``: its row's)."""
+        seq.logp, seq.views = logp, views
         if seq.sampling.max_tokens == 0:
             seq.done = True
             seq.on_event(TokenEvent(None, finish="length"))
@@ -426,7 +458,8 @@ class Engine:
                 break
             start = stop - window // 2
         infgram = self._infgram([seq], [seq.tokens])
-        self._ready(seq, self._next_logp([seq], out, infgram, slice(-1, None)))
+        last = slice(-1, None)
+        self._ready(seq, *self._next_logp([seq], out, infgram, last, [seq.features[-1]]))
 
     def _reuse_prefix(self, seq: Sequence, slot: int) -> int:
         """Start a prompt that fits the window in ``slot`` with the keys and values of its
@@ -452,15 +485,15 @@ class Engine:
         try:
             last = torch.tensor(counts).cumsum(0) - 1
             contexts = [seq.tokens for seq in seqs]
-            logp = self._run_and_mix(seqs, contexts, tokens, features, counts, first, last)
+            logp, views = self._run_and_mix(seqs, contexts, tokens, features, counts, first, last)
         except Exception as e:
             for seq in seqs:
                 self._fail(seq, e)
             return
-        for slot, (seq, row) in enumerate(zip(seqs, logp), first):
+        for i, (slot, seq) in enumerate(enumerate(seqs, first)):
             if self.prefixes is not None:
                 self.prefixes.store(seq.tokens, seq.use_index, self.cache, slot)
-            self._ready(seq, row[None])
+            self._ready(seq, logp[i : i + 1], views and views[i : i + 1])
 
     def _forward(self, seq: Sequence, slot: int, start: int, stop: int) -> Decoded:
         """Cache ``tokens[start:stop]`` afresh in ``slot``: the decoder's output on them."""
@@ -488,26 +521,49 @@ class Engine:
             infgram.append(self._infgram(owners, contexts))
 
         out = self._run_model(tokens, features, counts, first, query)
-        return self._next_logp(owners, out, infgram[0], rows)
+        picked = features if isinstance(rows, slice) else [features[int(i)] for i in rows]
+        return self._next_logp(owners, out, infgram[0], rows, picked)
 
-    def _next_logp(self, owners: list[Sequence], out: Decoded, infgram, rows=slice(None)):
+    def _next_logp(self, owners: list[Sequence], out: Decoded, infgram, rows, features=None):
         """Log-probabilities of the next token after ``rows`` of the decoder's output [R, vocab]
         (row ``r`` belongs to ``owners[r]``): the model's, mixed with the ∞-gram's (``infgram``:
         ``_infgram``'s answer for the rows) and the kNN datastore's (one search) for sequences
-        that use the index."""
+        that use the index. With the rows' input ``features``, also each row's ``RowView``
+        when an owner asks for them (else None)."""
         gate = None if out.gate is None else out.gate[rows]
         logp = next_token_logp(self.model, out.logits[rows], gate, infgram)
         using = [r for r, seq in enumerate(owners) if seq.use_index]
-        if self.knn is None or not using:
-            return logp
-        began = time.perf_counter()
-        found = self.knn.search(out.hidden[rows][using].numpy())
-        mix = self.knn.calibration["model"]
-        logp[using] = knn_mixed_logp(
-            logp[using], found.tokens, found.distances, mix["temperature"], mix["lam"]
-        )
-        self.stats.lookup_s += time.perf_counter() - began
-        return logp
+        found = None
+        if self.knn is not None and using:
+            began = time.perf_counter()
+            found = self.knn.search(out.hidden[rows][using].numpy())
+            mix = self.knn.calibration["model"]
+            logp[using] = knn_mixed_logp(
+                logp[using], found.tokens, found.distances, mix["temperature"], mix["lam"]
+            )
+            self.stats.lookup_s += time.perf_counter() - began
+        if features is None or not any(seq.sampling.index_view for seq in owners):
+            return logp, None
+        return logp, self._row_views(features, gate, infgram, using, found)
+
+    def _row_views(self, features, gate, infgram, using, found) -> list[RowView]:
+        """``RowView`` of each row (``_next_logp``'s parts): the features the model read, the
+        ∞-gram, the gate's weight for it, the kNN neighbours (rows ``using``)."""
+        views = [RowView((int(length), int(follower))) for length, follower in features]
+        if infgram is not None:
+            probs, totals = infgram
+            weights = None
+            if gate is not None:  # the ∞-gram's weight: sigmoid(-logit), as mixture_logp mixes
+                weights = torch.sigmoid(-self.model.gate_logit(gate.float(), totals)).tolist()
+            for r, view in enumerate(views):
+                if totals[r] > 0:
+                    view.infgram, view.infgram_count = probs[r], int(totals[r])
+                    view.gate = None if weights is None else weights[r]
+        if found is not None:
+            for i, r in enumerate(using):
+                near = [(int(p), float(d)) for p, d in zip(found.positions[i], found.distances[i])]
+                views[r].neighbours = [(p, d) for p, d in near if p >= 0]
+        return views
 
     def _infgram(self, seqs: list[Sequence], contexts: list[list[int]]):
         """The ∞-gram's answer after each context (row ``b`` of ``seqs[b]``) for the mixture
@@ -531,7 +587,7 @@ class Engine:
         rows = slice(first - 1 - start, stop - 1 - start)
         tails = [seq.tokens[max(0, p - self.index.max_match) : p] for p in range(first, stop)]
         owners = [seq] * len(tails)
-        logp = self._next_logp(owners, out, self._infgram(owners, tails), rows)
+        logp, _ = self._next_logp(owners, out, self._infgram(owners, tails), rows)
         for token, row in zip(seq.tokens[first:stop], logp):
             seq.on_event(TokenEvent(token, float(row[token]), self._top(seq, row), True))
 
@@ -554,7 +610,7 @@ class Engine:
         except Exception:
             plain = []
         for seq, token in zip(plain, tokens):
-            self._try(seq, self._emit, token, seq.logp[0])
+            self._try(seq, self._emit, token, seq.logp[0], seq.views and seq.views[0])
         sampled = {id(s) for s in plain}
         for slot, seq in enumerate(self.active):
             if id(seq) not in sampled:
@@ -571,7 +627,7 @@ class Engine:
         for row, logp in enumerate(seq.logp):
             draft = seq.drafts[row] if row < len(seq.drafts) else None
             token = sample_token(logp, seq.sampling, seq.generator)
-            self._emit(seq, token, logp)
+            self._emit(seq, token, logp, seq.views and seq.views[row])
             if draft is None or token != draft.token or seq.done or seq.cancelled:
                 break
             kept += 1
@@ -582,14 +638,28 @@ class Engine:
         self.stats.accepted += kept
         seq.drafts = []
 
-    def _emit(self, seq: Sequence, token: int, logp: torch.Tensor) -> None:
+    def _emit(self, seq: Sequence, token: int, logp: torch.Tensor, view: RowView | None) -> None:
         seq.tokens.append(token)
         seq.generated += 1
         self.stats.tokens += 1
         finish = "length" if seq.generated >= seq.sampling.max_tokens else None
-        event = TokenEvent(token, float(logp[token]), self._top(seq, logp), finish=finish)
+        index = None if view is None else self._token_index(view, token)
+        top = self._top(seq, logp)
+        event = TokenEvent(token, float(logp[token]), top, finish=finish, index=index)
         seq.done = finish is not None
         seq.on_event(event)
+
+    def _token_index(self, view: RowView, token: int) -> TokenIndex:
+        """What the index did for ``token``, sampled after the row ``view`` describes."""
+        length, follower = view.features
+        return TokenIndex(
+            match_length=length,
+            proposed=None if follower == self.index.no_token else follower,
+            infgram_prob=None if view.infgram is None else float(view.infgram[token]),
+            infgram_count=view.infgram_count,
+            gate=view.gate,
+            neighbours=view.neighbours,
+        )
 
     def _decode(self) -> None:
         """One batched step: every running sequence's newest token against its cache. A cache
@@ -631,9 +701,11 @@ class Engine:
             for s, n in zip(seqs, counts)
             for i in range(n)
         ]
-        logp = self._run_and_mix(owners, contexts, tokens, features, counts)
-        for seq, rows in zip(seqs, logp.split(counts)):
-            seq.logp = rows
+        logp, views = self._run_and_mix(owners, contexts, tokens, features, counts)
+        start = 0
+        for seq, n in zip(seqs, counts):
+            seq.logp, seq.views = logp[start : start + n], views and views[start : start + n]
+            start += n
 
     def _draft(self, seq: Sequence, room: int) -> None:
         """Up to ``room`` tokens that follow the newest one in the corpus, while the index's

@@ -26,6 +26,7 @@ class Sampling:
     echo: bool = False
     seed: int | None = None
     logit_bias: dict[int, float] | None = None
+    index_view: bool = False  # each generated token's event tells what the index did for it
 
     def generator(self) -> torch.Generator:
         """A CPU generator seeded with ``seed`` (or the clock when there is none)."""

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Annotated
 
+import numpy as np
 from fastapi import APIRouter, Depends, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import (
@@ -31,7 +32,7 @@ from prometheus_client.registry import Collector
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from teralm.infer.engine import Engine, Sequence, TokenEvent
+from teralm.infer.engine import Engine, Sequence, TokenEvent, TokenIndex
 from teralm.infer.sampling import Sampling
 from teralm.infer.text import TextStream, token_bytes, token_texts
 from teralm.server.guard import Guard, RequestMetrics, api_key_check
@@ -54,7 +55,10 @@ from teralm.server.protocol import (
     ModelCard,
     ModelList,
     Neighbour,
+    NeighbourDocument,
+    Proposal,
     Source,
+    TokenIndexView,
     TokenizeRequest,
     TokenizeResponse,
     TokenizerInfo,
@@ -131,7 +135,10 @@ class Choice:
             body.echo,
             seed,
             body.token_bias(),
+            index_view=body.index == "tokens",
         )
+        self.service = service
+        self.index_tokens: list[TokenIndexView] | None = [] if sampling.index_view else None
         self.updates: deque[TokenEvent] = deque()
         self.parts: list[str] = []  # the text, piece by piece
         self.finished, self.finish_reason, self.error = False, None, None
@@ -158,11 +165,14 @@ class Choice:
             if event.finish == "error":
                 self.finished, self.error = True, event.error
                 break
-            delta, logprobs = "", None
+            delta, logprobs, views = "", None, None
             if event.token is not None:
                 self.generated += not event.prompt
                 delta = self.stream.push(event.token, event.prompt)
                 logprobs = self._logprob(event)
+            if event.index is not None and self.index_tokens is not None:
+                views = [self.service.token_view(event.token, event.index)]
+                self.index_tokens += views
             if self.stream.stopped:
                 self.seq.cancel()
             if event.finish or self.stream.stopped:
@@ -177,6 +187,7 @@ class Choice:
                         text=delta,
                         logprobs=logprobs,
                         finish_reason=self.finish_reason,
+                        index_tokens=views,
                     )
                 )
         return chunks
@@ -204,6 +215,7 @@ class Choice:
             text="".join(self.parts),
             logprobs=self.logprobs,
             finish_reason=self.finish_reason or "length",
+            index_tokens=self.index_tokens,
         )
 
 
@@ -313,6 +325,30 @@ class CompletionService:
         if len(text) > self.limits.max_body_bytes:
             raise ApiError("text too long", param="text")
         return self.lookup_tokens([int(t) for t in self.ix.encode(text)], top_k, sources)
+
+    def token_view(self, token: int, index: TokenIndex) -> TokenIndexView:
+        """The API's record of what the index did for a generated token (its 3 nearest kNN
+        neighbours' documents)."""
+        neighbours = None
+        if self.engine.knn is not None:
+            neighbours = []
+            for position, distance in index.neighbours[:3]:
+                doc = int(np.searchsorted(self.ix.offsets, position, side="right")) - 1
+                source = self.ix.document_source(doc)
+                neighbours.append(NeighbourDocument(document=doc, source=source, distance=distance))
+        proposed = index.proposed
+        return TokenIndexView(
+            token=token,
+            text=self.texts[token],
+            match_length=index.match_length,
+            proposed=None
+            if proposed is None
+            else Proposal(token=proposed, text=self.texts[proposed]),
+            infgram_probability=index.infgram_prob,
+            infgram_count=index.infgram_count,
+            gate=index.gate,
+            neighbours=neighbours,
+        )
 
     def lookup_tokens(self, context: list[int], top_k: int = 5, sources: int = 3) -> LookupResponse:
         """``lookup`` of tokens as given (a token-id prompt is not decoded and encoded again)."""

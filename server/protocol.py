@@ -74,7 +74,9 @@ class CompletionRequest(Request):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     best_of: int | None = Field(None, ge=1)
     suffix: Text | None = None
-    index: bool = False  # teralm extra: the prompt's index lookup in the response
+    # teralm extra: the prompt's index lookup in the response; "tokens": also, in each choice,
+    # what the index did for each generated token (``index_tokens``)
+    index: bool | Literal["tokens"] = False
 
     @field_validator("logit_bias")
     @classmethod
@@ -156,11 +158,43 @@ class Logprobs(BaseModel):
 FinishReason = Literal["stop", "length"]
 
 
+class Proposal(BaseModel):
+    token: int
+    text: str
+
+
+class NeighbourDocument(BaseModel):
+    """A kNN neighbour of the model's state: the document it was stored from, and how near."""
+
+    document: int
+    source: str
+    distance: float
+
+
+class TokenIndexView(BaseModel):
+    """What the index did for one generated token (``"index": "tokens"``): the longest match
+    of the context before it, as the model read it, and the token that followed that match in
+    the corpus (``proposed``; null when nothing did); the ∞-gram's probability of the token
+    and the continuations it counted (null and 0 when it counted none); the weight the model's
+    mixture gate gave the ∞-gram (null without one); and, with a kNN datastore, the documents
+    of the nearest stored states."""
+
+    token: int
+    text: str
+    match_length: int
+    proposed: Proposal | None
+    infgram_probability: float | None
+    infgram_count: int
+    gate: float | None
+    neighbours: list[NeighbourDocument] | None = Field(None, exclude_if=lambda v: v is None)
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: Logprobs | None = None
     finish_reason: FinishReason | None  # None until the choice's last chunk
+    index_tokens: list[TokenIndexView] | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class Usage(BaseModel):

@@ -44,6 +44,69 @@ def test_sample_and_server_give_the_same_greedy_completion(tiny_run):
     assert answer["choices"][0]["text"] == greedy(tiny_run["model"], ix, PROMPT, 24)
 
 
+@torch.no_grad()
+def index_reference(model, ix, prompt: str, n: int) -> list[dict]:
+    """What the index did for each greedy token, by the plainest route (as ``greedy``): the
+    features of the context before it, the ∞-gram's probability of it and its count, and the
+    gate's weight for the ∞-gram."""
+    matcher = OnlineMatcher(ix)
+    tokens = [int(t) for t in ix.encode(prompt)]
+    features = matcher.extend(tokens)
+    records = []
+    for _ in range(n):
+        row = lambda xs: torch.tensor([xs])  # noqa: E731
+        logits, gate = model(
+            row(tokens), row([f[1] for f in features]), row([f[0] for f in features]),
+            with_gate=True,
+        )  # fmt: skip
+        probs, totals = infgram_probs(ix, [tokens])
+        token = int(
+            next_token_logp(model, logits[0, -1:], gate[0, -1:], (probs, totals))[0].argmax()
+        )
+        length, follower = features[-1]
+        weight = torch.sigmoid(-model.gate_logit(gate[0, -1:].float(), totals))[0]
+        records.append({
+            "token": token,
+            "match_length": length,
+            "proposed": None if follower == ix.no_token else follower,
+            "infgram_probability": float(probs[0, token]) if totals[0] else None,
+            "infgram_count": int(totals[0]),
+            "gate": float(weight) if totals[0] else None,
+        })  # fmt: skip
+        tokens.append(token)
+        features.append(matcher.push(token))
+    return records
+
+
+def test_index_tokens_tell_what_the_index_did_for_each_token(tiny_run):
+    """``"index": "tokens"``: one record per generated token, whole or streamed, equal to the
+    reference; no records without it."""
+    from test_faults_server import events, open_stream
+
+    model, ix = tiny_run["model"], tiny_run["ix"]
+    want = index_reference(model, ix, PROMPT, 12)
+    assert model.mixture_gate is not None and any(r["proposed"] is not None for r in want)
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "index": "tokens"}
+    with serve_in_thread(model, ix) as server:
+        code, whole = request(server["port"], "POST", "/v1/completions", body)
+        streamed = events(open_stream(server["port"], body).stream)
+        _, plain = request(server["port"], "POST", "/v1/completions", {**body, "index": False})
+    assert code == 200, whole
+    got = whole["choices"][0]["index_tokens"]
+    assert [r["token"] for r in got] == [r["token"] for r in want]
+    for g, w in zip(got, want):
+        assert g["text"] == ix.decode([w["token"]])
+        assert (g["match_length"], g["infgram_count"]) == (w["match_length"], w["infgram_count"])
+        assert (g["proposed"] or {}).get("token") == w["proposed"]
+        for key in ("infgram_probability", "gate"):
+            assert (g[key] is None) == (w[key] is None) and g[key] == pytest.approx(
+                w[key], abs=1e-5
+            )
+    chunks = [c for e in streamed[:-1] for c in e["choices"] if c.get("index_tokens")]
+    assert [r for c in chunks for r in c["index_tokens"]] == got
+    assert "index_tokens" not in plain["choices"][0]
+
+
 def test_sample_ends_at_a_stop_string(tiny_run):
     """``teralm sample --stop`` prints the greedy completion up to the first stop string (with
     the whole index read into memory)."""

@@ -8,6 +8,7 @@ import math
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -170,6 +171,32 @@ def test_default_factory_is_a_reduced_rotation_then_ivf_pq_of_at_most_32_bytes()
         assert ivf.nlist == 1 << round(math.log2(math.sqrt(keys)))
 
 
+def test_the_plan_s_size_is_the_datastore_s():
+    """The plan's bytes: a Flat key is its fp32 dimensions and its id; an IVF-PQ key its code
+    and id, and the lists' centroids beside them."""
+    assert build.expected_bytes("Flat", 1000, 256) == 1000 * (4 * 256 + 8)
+    faiss = import_faiss()
+    keys = np.random.default_rng(0).standard_normal((20_000, 64)).astype(np.float32)
+    for factory in ("IVF64,PQ16", "OPQ8_32,IVF64,PQ8"):
+        index = faiss.index_factory(64, factory)
+        index.train(keys)
+        index.add(keys)
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "x.faiss"
+            faiss.write_index(index, str(path))
+            size = path.stat().st_size
+        assert 0.95 < build.expected_bytes(factory, 20_000, 64) / size < 1.05, factory
+
+
+def test_training_keeps_opq_short_and_skips_polysemous_training():
+    faiss = import_faiss()
+    index = faiss.index_factory(64, "OPQ8_32,IVF16,PQ8")
+    build._train(faiss, index, np.random.default_rng(0).standard_normal((4000, 64)).astype("f4"))
+    opq = faiss.downcast_VectorTransform(index.chain.at(0))
+    ivf = faiss.downcast_index(faiss.extract_index_ivf(index))
+    assert opq.niter == build.OPQ_ROUNDS and not ivf.do_polysemous_training and index.is_trained
+
+
 def test_killed_build_resumes_to_the_same_datastore(trained, monkeypatch):
     """With a rotation in front of the lists (as the default has), which the merge keeps."""
     whole, resumed = trained["base"] / "whole", trained["base"] / "resumed"
@@ -303,6 +330,12 @@ def test_build_knn_and_eval_on_the_command_line(trained, tmp_path):
     made = cli(*build, "--factory", "IVF4,Flat", "--quiet")
     assert made.returncode == 0, made.stderr
     assert "shards merged" in made.stdout and "with kNN" in made.stdout
+    # the plan, first: the keys the summary counts, the factory, the size and the time
+    keys = json.loads((out / "knn.json").read_text())
+    total = sum(s["keys"] for s in keys["shards"])
+    first = made.stdout.splitlines()[0]
+    assert first.startswith(f"build-knn: {total:,} keys of {keys['dim']} from "), first
+    assert "faiss IVF4,Flat, about " in first and "µs a key)" in first, first
     again = cli(*build, "--factory", "IVF4,Flat", "--quiet")
     assert again.returncode == 0 and "every shard earlier" in again.stdout
     scored = cli("eval", run, "--index", index, "--knn", out, "--json", "--quiet")
@@ -368,9 +401,13 @@ def test_server_names_the_neighbours_documents(trained, flat):
     with serve_in_thread(model, ix, knn=flat) as server:
         code, answer = request(server["port"], "POST", "/v1/lookup", {"text": text})
         assert code == 200, answer
-        body = {"prompt": text, "max_tokens": 2, "index": True}
+        body = {"prompt": text, "max_tokens": 2, "index": "tokens"}
         code, completion = request(server["port"], "POST", "/v1/completions", body)
     assert code == 200, completion
+    first_token = completion["choices"][0]["index_tokens"][0]  # after the prompt's last state
+    assert [n["document"] for n in first_token["neighbours"]] == [
+        int(np.searchsorted(ix.offsets, p, side="right")) - 1 for p in found.positions[0, :3]
+    ]
     for neighbours in (answer["neighbours"], completion["index"]["neighbours"]):
         assert [n["document"] for n in neighbours] == [
             int(np.searchsorted(ix.offsets, p, side="right")) - 1 for p in found.positions[0]
