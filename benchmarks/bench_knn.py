@@ -321,6 +321,7 @@ def build_speed(corpus_bytes: int, queries: int) -> dict:
     forward_s, keys = forward["output"].split()[-2:]
     rows = [{"run": "forward pass alone", "wall_s": float(forward_s)}]
     for beside in ("quiet", "busy loop beside"):
+        shutil.rmtree(work / "store", ignore_errors=True)
         hog = (
             subprocess.Popen([sys.executable, "-c", "while True: pass"])
             if "busy" in beside
@@ -328,7 +329,7 @@ def build_speed(corpus_bytes: int, queries: int) -> dict:
         )
         try:
             built = run_measured([*CLI, "build-knn", str(run), "--index", str(index), "--out",
-                                  str(work / "store"), "--force", "--quiet"])  # fmt: skip
+                                  str(work / "store"), "--quiet"])  # fmt: skip
         finally:
             if hog is not None:
                 hog.kill()
