@@ -360,11 +360,7 @@ def expected_bytes(factory: str, keys: int, dim: int) -> int:
     lists = int(factory.split("IVF")[1].split(",")[0].split("_")[0]) if "IVF" in factory else 0
     rotation = factory.split(",")[0] if factory.startswith("OPQ") else ""
     reduced = int(rotation.split("_")[1]) if "_" in rotation else dim
-    return (
-        keys * (code + 8)
-        + (lists + 256) * reduced * 4
-        + (dim * reduced * 4 if rotation else 0)
-    )
+    return keys * (code + 8) + (lists + 256) * reduced * 4 + (dim * reduced * 4 if rotation else 0)
 
 
 def _minutes(seconds: float) -> str:

@@ -69,6 +69,9 @@ def test_start_up_summary_and_a_line_per_request(served):
     assert got.usage.completion_tokens == 7
     code, _ = request(served["port"], "GET", "/v1/models", key="wrong")
     assert code == 401
+    deadline = time.monotonic() + 30  # a response's line is written once it has been sent
+    while '"GET /v1/models" 401' not in served["log"].read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
     log = served["log"].read_text()
     head = log.split("\n  address ")[0]
     for words in (
@@ -408,6 +411,27 @@ def test_playground_renders_and_streams_in_headless_chromium(served):
         generated = driver.find_element(By.CSS_SELECTOR, "#output .generated").text
         assert len(generated) > 0
         wait.until(lambda d: "tokens match" in d.find_element(By.ID, "match").text)
+
+        # token by token: the chips and their details are the API's per-token records
+        for field, value in (("temperature", "0"), ("max_tokens", "20")):
+            driver.find_element(By.ID, field).clear()
+            driver.find_element(By.ID, field).send_keys(value)
+        driver.find_element(By.ID, "go").click()
+        wait.until(lambda d: d.find_element(By.ID, "status").text == "done")
+        body = {"prompt": "abc", "max_tokens": 20, "temperature": 0, "index": "tokens"}
+        code, answer = request(served["port"], "POST", "/v1/completions", body)
+        want = answer["choices"][0]["index_tokens"]
+        assert code == 200 and len(want) == 20
+        assert driver.execute_script("return views;") == want
+        chips = driver.find_elements(By.CSS_SELECTOR, "#tokens .token")
+        assert len(chips) == 20
+        assert [c.get_attribute("class") == "token taken" for c in chips] == [
+            v["proposed"] is not None and v["proposed"]["token"] == v["token"] for v in want
+        ]
+        chips[2].click()
+        details = driver.find_element(By.ID, "token").text
+        assert f"token 3: {json.dumps(want[2]['text'])}" in details
+        assert f"longest match: {want[2]['match_length']} tokens" in details
     finally:
         driver.quit()
 
