@@ -93,7 +93,8 @@ def test_cluster_build_equals_local_build(tmp_path, head, reference):
 
 def _features_job_or_die(i, layout, *job):
     """Pass 3's unit, which records where it ran; in the first call of a build to finish its
-    work, the worker process then kills itself, so that its result never arrives."""
+    work, the worker process then kills itself, so that its result never arrives (the others
+    take half a second more: Ray may otherwise run short jobs one after another on one node)."""
     rows = _NUMBERED_JOB(i, layout, *job)
     folder = Path(layout.directory).parent
     node = ray.get_runtime_context().get_node_id()
@@ -103,6 +104,7 @@ def _features_job_or_die(i, layout, *job):
         with open(folder / "killed", "x") as f:
             f.write(str(i))
     except FileExistsError:
+        time.sleep(0.5)  # two jobs at once, so each of the two 1-CPU nodes runs one
         return rows
     os.kill(os.getpid(), signal.SIGKILL)
 
