@@ -199,7 +199,8 @@ def build_index_main(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``teralm build-index | verify-index | query | train | eval | sample | export-fp8``."""
+    """``teralm build-index | verify-index | query | train | eval | sample | build-knn | serve |
+    export-fp8 | lighthouse``."""
     parser = argparse.ArgumentParser(
         prog="teralm",
         description="teralm: a compact transformer trained and served with a lookup index of "

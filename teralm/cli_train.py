@@ -1,4 +1,5 @@
-"""``teralm train | eval | sample``: the model side of the command line."""
+"""``teralm train | eval | sample | build-knn | serve | export-fp8 | lighthouse``: the model
+side of the command line."""
 
 from __future__ import annotations
 
