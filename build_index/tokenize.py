@@ -65,15 +65,23 @@ class PieceTokens:
     lines: int
 
 
-_tokenizers: dict[tuple[str, str], Tokenizer] = {}
+_tokenizers: dict[tuple, Tokenizer] = {}  # a worker's, loaded once per model file
+
+
+def _tokenizer(kind: str, out: Path) -> Tokenizer:
+    """The build's tokenizer, loaded once per process (again when its model file changed)."""
+    path = out / fmt.TOKENIZER
+    stamp = (path.stat().st_mtime_ns, path.stat().st_size) if kind != "bytes" else None
+    key = (kind, str(out), stamp)
+    if key not in _tokenizers:
+        _tokenizers[key] = load_tokenizer(out, kind)
+    return _tokenizers[key]
 
 
 def tokenize_piece(source: Source, piece: Piece, index: int, kind: str, out: Path, skip: int):
     """Read ``piece`` (the ``index``-th) of ``source`` and tokenize its documents (those before the
     ``skip``-th as empty) in batches of about BATCH_BYTES; any process can run it."""
-    if (kind, str(out)) not in _tokenizers:
-        _tokenizers[kind, str(out)] = load_tokenizer(out, kind)
-    tokenizer = _tokenizers[kind, str(out)]
+    tokenizer = _tokenizer(kind, out)
     bpe = isinstance(tokenizer, BPETokenizer)
     result, lines = PieceTokens(index, [], [], 0), []
 

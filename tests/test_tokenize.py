@@ -166,3 +166,14 @@ def test_byte_histogram_is_bincount():
         if n > 100:
             tokens[: n // 2] = 7  # runs of one value
         assert (byte_histogram(tokens) == np.bincount(tokens, minlength=256)).all(), n
+
+
+def test_a_rebuild_with_another_bpe_model_in_one_process_uses_the_new_model(tmp_path):
+    """The tokenizer a process keeps for pass 1 is the model file's of now, not of an earlier
+    build of the same folder."""
+    source = _corpus(tmp_path)
+    options = {"shard_tokens": 10_000, "verify_samples": 0, "progress": False}
+    build(BuildConfig(str(source), tmp_path / "out", tokenizer="bpe:260", **options))
+    build(BuildConfig(str(source), tmp_path / "out", tokenizer="bpe:280", force=True, **options))
+    build(BuildConfig(str(source), tmp_path / "fresh", tokenizer="bpe:280", **options))
+    assert _shards(tmp_path / "out") == _shards(tmp_path / "fresh")
