@@ -149,9 +149,11 @@ def test_query_of_damaged_index_exits_with_one_line(index_dir, damage, capsys):
 
 
 def _source_byte(directory: Path) -> tuple[Path, int]:
-    """The data file of the catalog and the offset of a digit of a document's source name."""
+    """The data file of the catalog and the offset of a digit of a document's source name (a
+    document record: start, length, source)."""
     data = directory / "catalog.lmdb" / "data.mdb"
-    at = data.read_bytes().find(b'"source": "') + len(b'"source": "')
+    raw = data.read_bytes()
+    at = raw.find(b'"source": "', raw.find(b'"length": ')) + len(b'"source": "')
     assert at > 20
     return data, at
 
