@@ -44,6 +44,7 @@ import json
 import mmap
 import os
 import socket
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -273,7 +274,7 @@ def folder_lock(directory: Path, job: str, name: str = LOCK) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
+            holder = _holder(fd)
             raise FolderBusy(
                 f"{directory} is in use by {holder}; wait for it to end, or stop it, "
                 "and run this again (or choose another --out)"
@@ -286,6 +287,17 @@ def folder_lock(directory: Path, job: str, name: str = LOCK) -> Iterator[None]:
             os.ftruncate(fd, 0)  # named by no one; the file stays (removing it races a waiter)
     finally:
         os.close(fd)  # releases the lock
+
+
+def _holder(fd: int, wait_s: float = 1.0) -> str:
+    """Who holds the lock file ``fd``: the name it writes just after it takes the lock (waited
+    for up to ``wait_s``, for a holder that has just taken it)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        name = os.pread(fd, 256, 0).decode(errors="replace").strip()
+        if name or time.monotonic() > deadline:
+            return name or "another process"
+        time.sleep(0.02)
 
 
 class IndexDamaged(ValueError):
