@@ -18,7 +18,7 @@ from tqdm import tqdm
 from teralm.build_index.sources import LineNumbers, Piece, Source, SourceError
 from teralm.index import format as fmt
 from teralm.index.catalog import Catalog, doc_key, unit_key
-from teralm.index.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
+from teralm.index.tokenizer import BPETokenizer, Tokenizer, load_tokenizer
 from teralm.kernels.sort import byte_histogram
 
 BPE_SAMPLE_BYTES = 64 << 20
@@ -241,9 +241,8 @@ def tokenize_pass(
             writer.add(piece, ready.pop(writer.piece))
             bar.update(piece.size)
 
-    kind = "bytes" if isinstance(tokenizer, ByteTokenizer) else "bpe"
     units = [
-        (source, pieces[i], i, kind, out, writer.piece_doc if i == writer.piece else 0)
+        (source, pieces[i], i, tokenizer.name, out, writer.piece_doc if i == writer.piece else 0)
         for i in range(writer.piece, len(pieces))
     ]
     with saver, bar:
