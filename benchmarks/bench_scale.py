@@ -3,7 +3,7 @@ the same bytes in the same run, and query latency against the shard count.
 
     pip install -e '.[bench]'          # infini-gram (and tokengrams, where it fits)
     sudo python benchmarks/bench_scale.py [--small 1gb] [--big 4gb] [--cgroup 2G]
-        [--parts capped,identical,peers,shards,cold,pass1] [--workers 2] [--shard-counts 1,8,58]
+        [--parts capped,identical,peers,shards,cold,pass1,profile] [--workers 2] [--shard-counts 1,8,58]
         [--bpe-corpus 256mb] [--pass1-tokenizers bytes,bpe:8192]
 
 Corpora are byte-level JSONL streams made from pydocs as in bench_build.py (``Ngb``/``Nmb``: about
@@ -19,8 +19,9 @@ the group holding the files lookups read first (``lookup_probe.py --memory``: pa
 lookup; ``--keep-cold`` keeps that index); ``pass1`` times
 pass 1 alone (read, tokenize, write the shards) on 1 process and on ``--workers``, byte-level on
 ``--small`` and BPE (``bpe:8192``, its model trained once beforehand) on ``--bpe-corpus``, and
-checks that both write the same shards. Prints tables and writes
-benchmarks/results/bench_scale.json.
+checks that both write the same shards; ``profile`` builds each of ``--profile-sizes`` capped
+and prints where pass 3's time went (its jobs' stages, reads and merge rounds, per token). Prints tables and writes
+benchmarks/results/bench_scale_PARTS.json (PARTS: the parts run, joined by _).
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ def teralm_build(jsonl: Path, out: Path, workers: int, *flags, cgroup: MemoryCgr
     if run["returncode"]:
         raise SystemExit(f"teralm build failed:\n{run['output']}")
     m = json.loads((out / "manifest.json").read_text())
+    stats = json.loads((out / BUILD_STATS).read_text())
     n = m["num_tokens"]
     return {
         **{k: run[k] for k in ("wall_s", "peak_rss")},
@@ -132,7 +134,7 @@ def teralm_build(jsonl: Path, out: Path, workers: int, *flags, cgroup: MemoryCgr
         "ns_per_token": run["wall_s"] / n * 1e9,
         "disk_peak_per_token": disk["peak"] / n,
         "bytes_per_token": m["bytes_per_token"]["total"],
-        "passes": json.loads((out / BUILD_STATS).read_text())["passes"],
+        **{k: stats[k] for k in ("passes", "features_jobs", "features_profile")},
         "cgroup_peak": cgroup.peak() if cgroup else None,
     }
 
@@ -150,6 +152,29 @@ def capped_build(jsonl: Path, out: Path, limit: int, budget: str, workers: int, 
         return report(teralm_build(jsonl, out, workers, "--memory", budget, *flags, cgroup=group))
     finally:
         group.remove()
+
+
+PROFILE_STAGES = ("read", "decode", "merge", "forward", "backward read", "backward")
+PROFILE_STAGES += ("write features", "fsync")
+
+
+def profile_rows(sizes: list[str], limit: int, budget: str, workers: int, *flags) -> list[dict]:
+    """Capped builds of each size; where pass 3's time went, per token (its jobs' profile)."""
+    rows = []
+    for size in sizes:
+        build = capped_build(make_corpus(size), WORK / "profile", limit, budget, workers, *flags)
+        shutil.rmtree(WORK / "profile")
+        n, profile = build["tokens"], build["features_profile"]
+        row = {"corpus": size, "tokens": n, "jobs": build["features_jobs"]}
+        row["features_ns_per_token"] = build["passes"]["features"]["wall_s"] / n * 1e9
+        row |= {f"{s} ns": profile["seconds"].get(s, 0) / n * 1e9 for s in PROFILE_STAGES}
+        counts = profile["counts"]
+        row["reads per 1k tokens"] = counts["reads"] / n * 1e3
+        row["read B/token"] = counts["read_bytes"] / n
+        row["KiB per read"] = counts["read_bytes"] / counts["reads"] / 1024
+        row["entries per round"] = counts["entries"] / counts["rounds"]
+        rows.append(report({**row, "build": build}))
+    return rows
 
 
 def query_rows(jsonl: Path, shard_counts: list[int], workers: int, contexts: int) -> list[dict]:
@@ -312,6 +337,7 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, default=5000)
     parser.add_argument("--bpe-corpus", default="256mb", help="the BPE corpus of the pass1 part")
     parser.add_argument("--pass1-tokenizers", default="bytes,bpe:8192", help="pass1 part's")
+    parser.add_argument("--profile-sizes", default="1gb,2gb", help="the profile part's builds")
     parser.add_argument("--keep-cold", action="store_true", help="keep the cold part's index")
     parser.add_argument(
         "--shard-counts", default="1,8,58", help="the shard sweep's builds (1 needs ~30 GB RAM)"
@@ -374,6 +400,16 @@ def main() -> None:
         )
         if not args.keep_cold:
             shutil.rmtree(WORK / "cold")
+    if "profile" in parts:
+        sizes = args.profile_sizes.split(",")
+        results["profile"] = profile_rows(sizes, limit, budget, args.workers, *shards)
+        columns = [("corpus", "corpus", "s"), ("jobs", "jobs", "d")]
+        columns += [("features_ns_per_token", "pass 3 ns/tok", ".0f")]
+        columns += [(f"{s} ns", f"{s} ns/tok", ".1f") for s in PROFILE_STAGES]
+        columns += [(k, k, ".2f") for k in ("reads per 1k tokens", "read B/token", "KiB per read")]
+        columns += [("entries per round", "entries per round", ",.0f")]
+        print(f"\npass 3's jobs, summed over the workers' time ({args.workers} workers, capped)")
+        print(table(results["profile"], columns))
     if "pass1" in parts:
         specs = args.pass1_tokenizers.split(",")
         corpus = {s: small if s == "bytes" else make_corpus(args.bpe_corpus) for s in specs}
@@ -442,7 +478,7 @@ def main() -> None:
                 ],
             )
         )
-    print(f"\nwrote {save('bench_scale', results)}")
+    print(f"\nwrote {save('bench_scale_' + '_'.join(parts), results)}")
 
 
 if __name__ == "__main__":

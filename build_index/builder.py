@@ -11,6 +11,7 @@ import shutil
 import signal
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -408,8 +409,8 @@ def _merge_jobs(layout: Layout, catalog: Catalog, config: BuildConfig) -> None:
     ) as bar:
 
         def job_done(result):
-            i, rows = result
-            catalog.put({unit_key("p3/job", i): {"positions": rows}})
+            i, (rows, profile) = result
+            catalog.put({unit_key("p3/job", i): {"positions": rows, "profile": profile}})
             features.release_runs(layout, spans[i])
             bar.update(rows)
 
@@ -551,11 +552,22 @@ def _finalize(
             if not s.skipped
         },
         "features_jobs": len(catalog.get("p3/jobs") or []),
+        "features_profile": _features_profile(catalog),
     }
     fmt.write_atomic(out / fmt.BUILD_STATS, json.dumps(build_stats, indent=1).encode())
     catalog.rewrite(_finished_records(catalog))
     fmt.write_atomic(out / fmt.MANIFEST, json.dumps(manifest, indent=1).encode())
     return manifest
+
+
+def _features_profile(catalog: Catalog) -> dict:
+    """Pass 3's jobs' ``JobProfile`` summed (those recorded by this teralm: a build resumed
+    from an older one's pass 3 may lack some)."""
+    total: dict[str, Counter] = {"seconds": Counter(), "counts": Counter()}
+    for _, record in catalog.prefixed(b"p3/job/"):
+        for part, values in record.get("profile", {}).items():
+            total[part].update(values)
+    return {part: {k: round(v, 3) for k, v in sorted(c.items())} for part, c in total.items()}
 
 
 def _finished_records(catalog: Catalog) -> dict[bytes, object]:

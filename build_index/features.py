@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +38,26 @@ class FirstOccurrences:
     first: np.ndarray
     first_f: np.ndarray
     first_tok: np.ndarray
+
+
+@dataclass
+class JobProfile:
+    """Where a features job's time went (seconds per stage) and what it read from pass 2's
+    files (reads issued, bytes, merge rounds, entries). Build statistics, not index content."""
+
+    seconds: Counter = field(default_factory=Counter)
+    counts: Counter = field(default_factory=Counter)
+
+    @contextmanager
+    def stage(self, name: str):
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - began
+
+    def as_dict(self) -> dict:
+        return {"seconds": dict(self.seconds), "counts": dict(self.counts)}
 
 
 def job_bytes_per_row(layout: Layout) -> int:
@@ -186,18 +209,32 @@ class _RunReader:
 READ_THREADS = 8  # shards read at once: the disk serves several reads faster than one by one
 
 
-def _merge_round(readers: list[_RunReader], pool: ThreadPoolExecutor) -> np.ndarray | None:
+def _merge_round(
+    readers: list[_RunReader], pool: ThreadPoolExecutor, profile: JobProfile
+) -> np.ndarray | None:
     """The next entries of the merged order that no entry still on disk can precede: every
     buffered entry up to the smallest last buffered entry of a reader with more to read.
     Returns their rows of the arena in merged order (None when done); the readers give them
     up, and they stay in the arena until the next round."""
-    for r, run in zip(readers, pool.map(_RunReader.fetch, readers)):
-        if run is not None:
-            r.add(run)
+    with profile.stage("read"):
+        fetched = list(pool.map(_RunReader.fetch, readers))
+    with profile.stage("decode"):
+        for r, run in zip(readers, fetched):
+            if run is not None:
+                r.add(run)
+                profile.counts["reads"] += len(run)
+                profile.counts["read_bytes"] += sum(x.nbytes for x in run.values())
     live = [r for r in readers if r.buffered]
     if not live:
         return None
-    keys = readers[0].arena.keys
+    profile.counts["rounds"] += 1
+    with profile.stage("merge"):
+        return _merged_order(live)
+
+
+def _merged_order(live: list[_RunReader]) -> np.ndarray:
+    """The merge of a round: see ``_merge_round``."""
+    keys = live[0].arena.keys
     counts = [r.buffered for r in live]
     waiting = [r for r in live if r.more_on_disk]
     if waiting:
@@ -213,7 +250,7 @@ def _merge_round(readers: list[_RunReader], pool: ThreadPoolExecutor) -> np.ndar
 
 def features_job(
     layout: Layout, firsts: FirstOccurrences, spans: np.ndarray, global_start: int, chunk: int
-) -> int:
+) -> tuple[int, dict]:
     """Merge the entries in ``spans`` (a row of ``run_spans``: one range per shard), write
     their slice of the global order (it starts at rank ``global_start``) and their features.
 
@@ -221,7 +258,7 @@ def features_job(
     and what the forward sweep found for each entry (``SWEEP_COLUMNS``), which the backward
     sweep then reads from the end. Those stay in memory up to ``chunk`` per shard and go to
     work files beyond that, so memory does not grow with the job. Returns the number of
-    positions.
+    positions and the job's ``JobProfile`` (as a dict).
     """
     shards = [k for k, span in enumerate(spans) if span[1] > span[0]]
     arena = _Arena(layout, len(shards), chunk)
@@ -232,16 +269,21 @@ def features_job(
     work = work_paths(layout, global_start)
     for path in work.values():  # left by a run of this job that was killed: it appends to them
         path.unlink(missing_ok=True)
+    profile = JobProfile()
     try:
         with ThreadPoolExecutor(READ_THREADS) as pool:
-            rows, columns = _forward(layout, readers, arena, pool, global_start, work, budget)
-        _backward(layout, firsts, spans, global_start, rows, columns, budget)
+            rows, columns = _forward(
+                layout, readers, arena, pool, global_start, work, budget, profile
+            )
+        _backward(layout, firsts, spans, global_start, rows, columns, budget, profile)
         # Its many small writes are flushed once, before the job may be recorded as done.
-        for path in [layout.order_path(kind) for kind in ("positions", "follow", "keys")] + [
-            sorted_features_path(layout, r.k) for r in readers
-        ]:
-            fmt.fsync_path(path)
-        return rows
+        with profile.stage("fsync"):
+            for path in [layout.order_path(kind) for kind in ("positions", "follow", "keys")] + [
+                sorted_features_path(layout, r.k) for r in readers
+            ]:
+                fmt.fsync_path(path)
+        profile.counts["entries"] += rows
+        return rows, profile.as_dict()
     finally:
         for path in work.values():
             path.unlink(missing_ok=True)
@@ -257,7 +299,14 @@ def work_paths(layout: Layout, global_start: int) -> dict[str, Path]:
 
 
 def _forward(
-    layout: Layout, readers, arena: _Arena, pool, global_start: int, work: dict, budget: int
+    layout: Layout,
+    readers,
+    arena: _Arena,
+    pool,
+    global_start: int,
+    work: dict,
+    budget: int,
+    profile: JobProfile,
 ) -> tuple[int, dict]:
     """The merge and the forward sweep: writes the order's slice, and returns its number of
     entries and their SWEEP_COLUMNS (arrays, or the ``work`` files when there are more than
@@ -267,8 +316,8 @@ def _forward(
     done, kept, spilled = 0, [], False
     last_key, last_depth = np.zeros(arena.keys.shape[1], np.uint64), np.array([-1])
     merged = _MergedRows(layout, len(arena.pos))
-    while (order := _merge_round(readers, pool)) is not None:
-        n = len(order)
+    while (order := _merge_round(readers, pool, profile)) is not None:
+        began, n = time.perf_counter(), len(order)
         pos, follow, first_words, lcp = out = merged.rows(n)
         km.merged_rows(
             arena.keys, arena.depth, arena.follow, arena.pos, order,
@@ -287,6 +336,7 @@ def _forward(
                     for part in kept:
                         f.write(part[name].tobytes())
             kept, spilled = [], True
+        profile.seconds["forward"] += time.perf_counter() - began
     if spilled:
         return done, work
     return done, {
@@ -351,6 +401,7 @@ def _backward(
     rows: int,
     columns: dict,
     chunk: int,
+    profile: JobProfile,
 ) -> None:
     """The backward sweep over the forward sweep's columns and the order's slice (ranks from
     ``global_start``), from the last entry, then the features of each entry, written in the
@@ -361,10 +412,12 @@ def _backward(
     after = 0  # the LCP of the row visited just before a chunk (the one after it) with its last
     for stop in range(rows, 0, -chunk):
         a = max(0, stop - chunk)
-        r = {name: _column_rows(columns, name, a, stop)[::-1].copy() for name in SWEEP_COLUMNS}
-        pos, follower = (
-            x[::-1].copy() for x in _read_order(layout, global_start + a, global_start + stop)
-        )
+        with profile.stage("backward read"):
+            r = {name: _column_rows(columns, name, a, stop)[::-1].copy() for name in SWEEP_COLUMNS}
+            pos, follower = (
+                x[::-1].copy() for x in _read_order(layout, global_start + a, global_start + stop)
+            )
+        began = time.perf_counter()
         h = np.concatenate([[after], r["lcp"][:-1]]).astype(np.uint8)
         after = int(r["lcp"][-1])
         token = r["token"].astype(np.int64)
@@ -381,7 +434,9 @@ def _backward(
         len_byte = (length | np.where(has_next, 0, fmt.NO_FOLLOWER_BIT)).astype(np.uint8)
         next_tok = np.where(has_next, np.where(short, firsts.first_tok[token], best_tok), 0)
         shard = (pos // layout.shard_tokens).astype(np.uint16)
-        _write_sorted_features(layout, shard, ends, len_byte, next_tok)
+        profile.seconds["backward"] += time.perf_counter() - began
+        with profile.stage("write features"):
+            _write_sorted_features(layout, shard, ends, len_byte, next_tok)
 
 
 def _write_sorted_features(layout: Layout, shard, ends, len_byte, next_tok) -> None:
