@@ -392,9 +392,9 @@ def _merge_jobs(layout: Layout, catalog: Catalog, config: BuildConfig) -> None:
         jobs = features.split_jobs(starts, _job_rows(layout, config))
         catalog.put({"p3/jobs": jobs})
     spans = features.run_spans(layout, jobs)
-    chunk = _chunk_rows(layout, config)
+    chunk, read_memory = _merge_memory(layout, config)
     todo = [
-        (i, spans[i], int(starts[b0]), chunk)
+        (i, spans[i], int(starts[b0]), chunk, read_memory)
         for i, (b0, _) in enumerate(jobs)
         if catalog.get(unit_key("p3/job", i)) is None
     ]
@@ -423,8 +423,8 @@ def _merge_jobs(layout: Layout, catalog: Catalog, config: BuildConfig) -> None:
     catalog.put({"p3/merged": {"jobs": len(jobs)}})
 
 
-def _numbered_job(i, layout, firsts, spans, global_start, chunk):
-    return i, features.features_job(layout, firsts, spans, global_start, chunk)
+def _numbered_job(i, layout, firsts, *job):
+    return i, features.features_job(layout, firsts, *job)
 
 
 WORKER_BYTES = 200 << 20  # a process before its work: Python, numpy, numba, teralm (~130 MB)
@@ -469,7 +469,7 @@ MAX_JOB_ROWS = 1 << 24  # a running job's work files: 14 bytes per entry (SWEEP_
 
 def _job_rows(layout: Layout, config: BuildConfig) -> int:
     """Entries per merge job: a quarter of the corpus per worker, between 2^12 and
-    MAX_JOB_ROWS. A job's memory does not depend on its size (see ``_chunk_rows``), but its
+    MAX_JOB_ROWS. A job's memory does not depend on its size (see ``_merge_memory``), but its
     work files and the keys it has not yet released do: at 2^26 entries, the two running jobs
     of a 1 GB build held 7.6 bytes of disk per token of the corpus beside pass 2's 14.6."""
     return min(max(layout.num_tokens // (4 * max(config.workers, 1)), 1 << 12), MAX_JOB_ROWS)
@@ -491,16 +491,19 @@ def _merge_workers(layout: Layout, config: BuildConfig) -> int:
 
 
 ROUND_ROWS = 1 << 21  # entries a merge round takes from all shards together, at most
+READ_SHARE = 4  # a merge job's memory for what it has read but not decoded: 1/READ_SHARE
 
 
-def _chunk_rows(layout: Layout, config: BuildConfig) -> int:
-    """Entries a merge job reads from each shard at a time: what the memory budget leaves each
-    of the merge workers, over the shards (at least 16, for a budget below MIN_CHUNK's), and
-    no more than ROUND_ROWS over all shards (or MIN_CHUNK each): larger rounds ran slower (a
+def _merge_memory(layout: Layout, config: BuildConfig) -> tuple[int, int]:
+    """A merge job's chunk (entries it decodes from each shard at a time) and its memory for
+    read bytes not yet decoded. The chunk: what the memory budget leaves each merge worker
+    beside its reads, over the shards (at least 16, for a budget below MIN_CHUNK's), and no
+    more than ROUND_ROWS over all shards (or MIN_CHUNK each): larger rounds ran slower (a
     1 GB build's pass 3 took 416 s with rounds of 17M entries, 335 s with 1.4M)."""
     work = _work_memory(config, _merge_workers(layout, config))
+    reads = max(work // READ_SHARE, 0)
     cap = max(ROUND_ROWS // layout.num_shards, MIN_CHUNK)
-    return max(min(work // _merge_bytes_per_chunk_row(layout), cap), 16)
+    return max(min((work - reads) // _merge_bytes_per_chunk_row(layout), cap), 16), reads
 
 
 def _finalize(

@@ -16,7 +16,7 @@ import ctypes
 import os
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from teralm.build_index.layout import Layout
-from teralm.build_index.prefix import read_run, run_index
+from teralm.build_index.prefix import join_runs, read_run, run_bytes, run_index, split_run
 from teralm.index import format as fmt
 from teralm.kernels import match as km
 
@@ -157,36 +157,60 @@ class _Arena:
 
 
 class _RunReader:
-    """One shard's entries of a job, read and decoded ``chunk`` entries at a time into its rows
-    of the job's arena: its buffered entries are rows ``[lo, hi)``."""
+    """One shard's entries of a job. Pass 2's bytes are read ``read_rows`` entries at a time by
+    a thread of the job's pool, the next read under way while the last is decoded, and decoded
+    up to ``chunk`` entries at a time into the reader's rows of the arena: its decoded entries
+    are rows ``[lo, hi)``."""
 
-    def __init__(self, layout: Layout, k: int, span, arena: _Arena, base: int, chunk: int):
-        self.layout, self.k, self.arena, self.chunk = layout, k, arena, chunk
+    def __init__(self, layout: Layout, k: int, span, arena: _Arena, base: int, sizes: tuple):
+        self.layout, self.k, self.arena = layout, k, arena
+        self.chunk, read_rows = sizes
+        self.read_rows = max(read_rows, self.chunk)
         self.next, self.stop, self.element = int(span[0]), int(span[1]), int(span[2])
         self.base = self.lo = self.hi = base
         self.current = np.zeros(arena.keys.shape[1] * 64 // layout.elem_bits, dtype=np.int64)
+        self.reading: Future | None = None  # the read under way, of in_flight entries
+        self.in_flight = 0
+        self.undecoded: dict | None = None  # read, not yet decoded
 
     @property
-    def more_on_disk(self) -> bool:
-        return self.next < self.stop
+    def ahead(self) -> int:
+        """Entries not yet decoded: read, being read or on disk."""
+        read = 0 if self.undecoded is None else len(self.undecoded["lcp"])
+        return read + (self.stop - self.next) + (self.in_flight if self.reading else 0)
 
     @property
     def buffered(self) -> int:
         return self.hi - self.lo
 
-    def fetch(self) -> dict | None:
-        """Read (not yet decode) the entries that top the buffer up to ``chunk``; None when
-        there is nothing to read. Readers fetch in parallel threads (``_merge_round``)."""
-        take = min(self.chunk - self.buffered, self.stop - self.next)
-        if take <= 0:
-            return None
-        run = read_run(self.layout, self.k, self.next, self.next + take, self.element)
-        self.next += take
-        self.element += len(run["elements"])
-        return run
+    def read_ahead(self, pool: ThreadPoolExecutor) -> None:
+        """Start reading the next entries from disk, unless a read is under way or all are."""
+        if self.reading is None and self.next < self.stop:
+            self.in_flight = min(self.read_rows, self.stop - self.next)
+            end = self.next + self.in_flight
+            self.reading = pool.submit(read_run, self.layout, self.k, self.next, end, self.element)
+            self.next = end
 
-    def add(self, run: dict) -> None:
-        """Decode a fetched run (in fetch order) after the buffered entries."""
+    def top_up(self, pool: ThreadPoolExecutor, profile: JobProfile) -> None:
+        """Decode entries after the buffered ones, up to ``chunk`` (reading as needed)."""
+        take = min(self.chunk - self.buffered, self.ahead)
+        while take > 0 and (self.undecoded is None or len(self.undecoded["lcp"]) < take):
+            self.read_ahead(pool)
+            with profile.stage("read"):
+                run = self.reading.result()
+            self.reading = None
+            self.element += len(run["elements"])
+            profile.counts["reads"] += len(run)
+            profile.counts["read_bytes"] += sum(x.nbytes for x in run.values())
+            self.undecoded = run if self.undecoded is None else join_runs(self.undecoded, run)
+            self.read_ahead(pool)
+        if take > 0:
+            run, self.undecoded = split_run(self.undecoded, take)
+            with profile.stage("decode"):
+                self._decode(run)
+
+    def _decode(self, run: dict) -> None:
+        """Decode a read run after the buffered entries."""
         layout, arena = self.layout, self.arena
         arena.move(self.lo, self.hi, self.base)
         self.lo, self.hi = self.base, self.base + self.buffered
@@ -212,18 +236,12 @@ READ_THREADS = 8  # shards read at once: the disk serves several reads faster th
 def _merge_round(
     readers: list[_RunReader], pool: ThreadPoolExecutor, profile: JobProfile
 ) -> np.ndarray | None:
-    """The next entries of the merged order that no entry still on disk can precede: every
-    buffered entry up to the smallest last buffered entry of a reader with more to read.
+    """The next entries of the merged order that no entry still to decode can precede: every
+    decoded entry up to the smallest last decoded entry of a reader with more to come.
     Returns their rows of the arena in merged order (None when done); the readers give them
     up, and they stay in the arena until the next round."""
-    with profile.stage("read"):
-        fetched = list(pool.map(_RunReader.fetch, readers))
-    with profile.stage("decode"):
-        for r, run in zip(readers, fetched):
-            if run is not None:
-                r.add(run)
-                profile.counts["reads"] += len(run)
-                profile.counts["read_bytes"] += sum(x.nbytes for x in run.values())
+    for r in readers:
+        r.top_up(pool, profile)
     live = [r for r in readers if r.buffered]
     if not live:
         return None
@@ -236,7 +254,7 @@ def _merged_order(live: list[_RunReader]) -> np.ndarray:
     """The merge of a round: see ``_merge_round``."""
     keys = live[0].arena.keys
     counts = [r.buffered for r in live]
-    waiting = [r for r in live if r.more_on_disk]
+    waiting = [r for r in live if r.ahead]
     if waiting:
         bound = min(waiting, key=lambda r: (tuple(keys[r.hi - 1]), r.k))
         last = keys[bound.hi - 1]
@@ -249,12 +267,18 @@ def _merged_order(live: list[_RunReader]) -> np.ndarray:
 
 
 def features_job(
-    layout: Layout, firsts: FirstOccurrences, spans: np.ndarray, global_start: int, chunk: int
+    layout: Layout,
+    firsts: FirstOccurrences,
+    spans: np.ndarray,
+    global_start: int,
+    chunk: int,
+    read_memory: int,
 ) -> tuple[int, dict]:
     """Merge the entries in ``spans`` (a row of ``run_spans``: one range per shard), write
     their slice of the global order (it starts at rank ``global_start``) and their features.
 
-    Streamed: the merge goes forwards ``chunk`` entries per shard at a time, writing the order
+    Streamed: pass 2's bytes are read in blocks that ``read_memory`` holds two of per shard,
+    and the merge goes forwards ``chunk`` entries per shard at a time, writing the order
     and what the forward sweep found for each entry (``SWEEP_COLUMNS``), which the backward
     sweep then reads from the end. Those stay in memory up to ``chunk`` per shard and go to
     work files beyond that, so memory does not grow with the job. Returns the number of
@@ -262,8 +286,9 @@ def features_job(
     """
     shards = [k for k, span in enumerate(spans) if span[1] > span[0]]
     arena = _Arena(layout, len(shards), chunk)
+    sizes = (chunk, _read_rows(layout, spans, read_memory))
     readers = [
-        _RunReader(layout, k, spans[k], arena, i * chunk, chunk) for i, k in enumerate(shards)
+        _RunReader(layout, k, spans[k], arena, i * chunk, sizes) for i, k in enumerate(shards)
     ]
     budget = chunk * max(len(readers), 1)
     work = work_paths(layout, global_start)
@@ -272,6 +297,8 @@ def features_job(
     profile = JobProfile()
     try:
         with ThreadPoolExecutor(READ_THREADS) as pool:
+            for r in readers:
+                r.read_ahead(pool)
             rows, columns = _forward(
                 layout, readers, arena, pool, global_start, work, budget, profile
             )
@@ -287,6 +314,15 @@ def features_job(
     finally:
         for path in work.values():
             path.unlink(missing_ok=True)
+
+
+def _read_rows(layout: Layout, spans: np.ndarray, read_memory: int) -> int:
+    """Entries per read such that two reads of every shard of the job fit ``read_memory``."""
+    entries = int((spans[:, 1] - spans[:, 0]).sum())
+    elements = int((spans[:, 3] - spans[:, 2]).sum())
+    per_entry = run_bytes(layout, entries, elements) / max(entries, 1)
+    shards = max(int(np.count_nonzero(spans[:, 1] > spans[:, 0])), 1)
+    return int(read_memory / (2 * shards * per_entry))
 
 
 def work_paths(layout: Layout, global_start: int) -> dict[str, Path]:

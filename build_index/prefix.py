@@ -81,6 +81,28 @@ def read_run(layout: Layout, k: int, lo: int, hi: int, e0: int) -> dict[str, np.
     return run
 
 
+ENTRY_PARTS = ("lcp", "depth", "follow", "prefix")  # one value per entry in a read run
+
+
+def run_bytes(layout: Layout, entries: int, elements: int) -> int:
+    """Bytes that ``read_run`` returns for ``entries`` entries holding ``elements`` elements."""
+    width = layout.sort_dtype.itemsize
+    return entries * (2 + width + fmt.PREFIX_DTYPE.itemsize) + elements * width
+
+
+def split_run(run: dict, n: int) -> tuple[dict, dict]:
+    """A read run's first ``n`` entries, and the rest (views, not copies)."""
+    e = int(run["depth"][:n].sum(dtype=np.int64) - run["lcp"][:n].sum(dtype=np.int64))
+    head = {p: run[p][:n] for p in ENTRY_PARTS} | {"elements": run["elements"][:e]}
+    tail = {p: run[p][n:] for p in ENTRY_PARTS} | {"elements": run["elements"][e:]}
+    return head, tail
+
+
+def join_runs(first: dict, then: dict) -> dict:
+    """Two read runs of consecutive entries as one."""
+    return {p: np.concatenate([first[p], then[p]]) for p in first}
+
+
 def _open_unread_ahead(path: Path):
     """``path`` opened for reads of exactly the bytes asked for. The kernel's read-ahead (8 MiB
     per file on some disks) would fetch far more for each of the hundreds of shards that a

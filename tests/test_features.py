@@ -205,11 +205,11 @@ def test_pass3_job_replaces_work_files_a_killed_run_left(tmp_path, monkeypatch):
     clean = build_source(source, tmp_path / "clean", **options)
     real_job, left = features.features_job, []
 
-    def after_a_killed_run(layout, firsts, spans, global_start, chunk):
+    def after_a_killed_run(layout, firsts, spans, global_start, *memory):
         for path in features.work_paths(layout, global_start).values():
             path.write_bytes(bytes(range(256)) * 64)
             left.append(path)
-        return real_job(layout, firsts, spans, global_start, chunk)
+        return real_job(layout, firsts, spans, global_start, *memory)
 
     monkeypatch.setattr(features, "features_job", after_a_killed_run)
     resumed = build_source(source, tmp_path / "resumed", **options)

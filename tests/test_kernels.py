@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -147,3 +148,18 @@ def test_merge_sorted_merges_runs():
     assert sorted(order.tolist()) == inside
     assert np.all(np.diff(keys[order].astype(np.int64)) >= 0)
     assert all(a < b for a, b in zip(order[:-1], order[1:]) if keys[a] == keys[b])  # row order
+
+
+@pytest.mark.parametrize("runs", [1, 2, 3, 37, 64])
+def test_merge_sorted_equals_a_sort_of_keys_then_rows(runs):
+    """Many runs of two-word keys with many ties: the merge is the sort by (words, row)."""
+    rng = np.random.default_rng(runs)
+    sizes = rng.integers(0, 40, size=runs)
+    keys = rng.integers(0, 3, size=(int(sizes.sum()), 2)).astype(np.uint64)
+    ends = np.cumsum(sizes).astype(np.int64)
+    starts = ends - sizes
+    for a, b in zip(starts, ends):
+        keys[a:b] = keys[a:b][np.lexsort(keys[a:b].T[::-1])]
+    order = km.merge_sorted(keys, starts, ends)
+    rows = np.arange(len(keys))
+    assert order.tolist() == np.lexsort((rows, keys[:, 1], keys[:, 0])).tolist()
