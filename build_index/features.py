@@ -192,7 +192,11 @@ class _RunReader:
             self.next = end
 
     def top_up(self, pool: ThreadPoolExecutor, profile: JobProfile) -> None:
-        """Decode entries after the buffered ones, up to ``chunk`` (reading as needed)."""
+        """Decode entries after the buffered ones, up to ``chunk`` (reading as needed), once
+        half of them are used: a round takes few of each shard's entries when there are many
+        shards, and topping up every round moved the rest (``_Arena.move``) each time."""
+        if 2 * self.buffered > self.chunk:
+            return
         take = min(self.chunk - self.buffered, self.ahead)
         while take > 0 and (self.undecoded is None or len(self.undecoded["lcp"]) < take):
             self.read_ahead(pool)
