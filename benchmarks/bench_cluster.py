@@ -26,7 +26,7 @@ from bench_build import write_copies
 from bench_scale import PYDOCS_BYTES
 from common import CACHE, PYDOCS, TERALM, run_measured, save, table
 
-from teralm.index.format import sha256_file
+from teralm.files import sha256_file
 
 STORE_BYTES = 200 << 20
 

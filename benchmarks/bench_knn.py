@@ -44,14 +44,6 @@ import torch
 from common import CACHE, PYDOCS, corpus_index, run_measured, save, table, teralm_cli
 from common import TERALM as CLI
 
-from teralm.build_index.knn import (
-    KeyWriter,
-    KnnBuildConfig,
-    shard_documents,
-    training_documents,
-    training_keys,
-    training_size,
-)
 from teralm.index import Index
 from teralm.index.knn import TRAINED, KnnDatastore, import_faiss, set_nprobe
 from teralm.index.query import OnlineMatcher
@@ -60,6 +52,14 @@ from teralm.infer.mixture import infgram_probs, knn_target_probs, next_token_log
 from teralm.infer.precision import autocast
 from teralm.model.checkpoint import weights_sha256
 from teralm.train.evaluate import document_windows, held_out_documents
+from teralm.train.knn import (
+    KeyWriter,
+    KnnBuildConfig,
+    shard_documents,
+    training_documents,
+    training_keys,
+    training_size,
+)
 
 WORK = CACHE / "knn"
 RUN, STORE = WORK / "run", WORK / "store"
@@ -284,7 +284,7 @@ FACTORY_COLUMNS = [
 FORWARD = """
 import sys, time
 from pathlib import Path
-from teralm.build_index.knn import KeyWriter, training_documents
+from teralm.train.knn import KeyWriter, training_documents
 from teralm.index import Index
 from teralm.infer.load import load_model
 from teralm.infer.precision import default_device

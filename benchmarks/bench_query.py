@@ -91,7 +91,7 @@ def teralm_runner(index_dir: Path):
     from teralm.index import Index
 
     ix = Index.open(index_dir)
-    ix.next_token_distribution([[1, 2, 3]])  # compile / warm up
+    ix.query.next_token_distribution([[1, 2, 3]])  # compile / warm up
     return ix, ix.next_token_distribution
 
 
@@ -241,7 +241,7 @@ def main() -> None:
                 rows.append({"tool": tool, "contexts": name, **result})
         rounds.append(rows)
     rows = median_rows(rounds)
-    mean_match = {name: float(ix.longest_match(c).length.mean()) for name, c in sets.items()}
+    mean_match = {name: float(ix.query.longest_match(c).length.mean()) for name, c in sets.items()}
     for row in rows:
         if row["tool"].startswith("teralm"):
             row["mean_match"] = mean_match[row["contexts"]]

@@ -41,7 +41,8 @@ from bench_build import bench_infini_gram, corpus_bytes, write_copies
 from bench_query import CONTEXT, latency
 from common import CACHE, TERALM, run_measured, save, table
 
-from teralm.index.format import BUILD_STATS, content_digests, sha256_file
+from teralm.files import sha256_file
+from teralm.index.format import BUILD_STATS, content_digests
 
 WORK = CACHE / "scale"
 PYDOCS_BYTES = 61_737_119
@@ -203,9 +204,9 @@ def query_rows(jsonl: Path, shard_counts: list[int], workers: int, contexts: int
         shard_tokens = -(-n_bytes // count)
         built = teralm_build(jsonl, out, workers, "--shard-tokens", shard_tokens)
         ix = Index.open(out)
-        ix.next_token_distribution([[1, 2, 3]])  # compile and warm up
+        ix.query.next_token_distribution([[1, 2, 3]])  # compile and warm up
         for name, batch in sets.items():
-            ix.next_token_distribution(batch)  # touch the pages once
+            ix.query.next_token_distribution(batch)  # touch the pages once
             shards = len(ix.manifest["shards"])
             rows.append(
                 {

@@ -191,7 +191,7 @@ class InProcess:
         ix = Index.open(index)
         model, state, _ = load_model(run, default_device(), generating=True)
         check_tokenizer(state, ix)
-        ix.longest_match([[0]])  # compile and warm the query kernels, as serve does
+        ix.query.longest_match([[0]])  # compile and warm the query kernels, as serve does
         self.engine = Engine(model, ix, max_batch=max_batch, speculate=speculate)
         drafts = "" if speculate is None else f", --speculate {speculate}"
         self.name = f"teralm in-process{drafts}"

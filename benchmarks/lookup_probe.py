@@ -59,11 +59,11 @@ def measure(ix: Index, contexts: list[np.ndarray]) -> dict:
     faults0, read0 = disk_counters()
     for c in contexts:
         began = time.perf_counter()
-        ix.next_token_distribution([c])
+        ix.query.next_token_distribution([c])
         times.append(time.perf_counter() - began)
     faults1, read1 = disk_counters()
     began = time.perf_counter()
-    ix.next_token_distribution(contexts)
+    ix.query.next_token_distribution(contexts)
     batched = len(contexts) / (time.perf_counter() - began)
     us = np.array(times) * 1e6
     return {
@@ -147,14 +147,14 @@ def main() -> None:
         "index_bytes": sum(p.stat().st_size for p in args.index.glob("*.*")),
         "resident": sorted(ix.resident),
     }
-    ix.next_token_distribution([np.arange(4)])  # compile the kernels (and map the files)
+    ix.query.next_token_distribution([np.arange(4)])  # compile the kernels (and map the files)
     result["open_s"] = time.perf_counter() - began
     rng = np.random.default_rng(0)
     for name, contexts in context_sets(ix, args.warmup + args.lookups, rng).items():
         if name not in args.sets.split(","):
             continue
         for c in contexts[: args.warmup]:
-            ix.next_token_distribution([c])
+            ix.query.next_token_distribution([c])
         result[name] = measure(ix, contexts[args.warmup :])
     if args.batches:
         result["sampler"] = sampler_speed(ix, args.batches)

@@ -1,5 +1,5 @@
 """The build-index batch job: corpus -> sharded, resumable causal lookup index."""
 
-from teralm.build_index.builder import BuildConfig, BuildError, BuildResult, build
+from teralm.build_index.builder import BuildConfig, BuildResult, build
 
-__all__ = ["BuildConfig", "BuildError", "BuildResult", "build"]
+__all__ = ["BuildConfig", "BuildResult", "build"]

@@ -27,13 +27,11 @@ from teralm.build_index import features, prefix, tokenize, verify
 from teralm.build_index.layout import Layout
 from teralm.build_index.monitor import PassStats, measure
 from teralm.build_index.sources import resolve_source
+from teralm.errors import BuildError, ConfigError
+from teralm.files import folder_lock, format_bytes, sha256_file, write_atomic
 from teralm.index import format as fmt
 from teralm.index.catalog import Catalog, unit_key
 from teralm.index.tokenizer import ByteTokenizer, load_tokenizer, parse_tokenizer_spec
-
-
-class BuildError(Exception):
-    """A build cannot go on; the message tells the user what to do."""
 
 
 def default_memory() -> int:
@@ -68,9 +66,9 @@ def parse_size(text: str, flag: str = "--memory") -> int:
     try:
         size = int(float(number) * units[unit])
     except ValueError:
-        raise ValueError(f"{flag} {text!r} is not a size such as 2G or 512M") from None
+        raise ConfigError(f"{flag} {text!r} is not a size such as 2G or 512M") from None
     if size <= 0:
-        raise ValueError(f"{flag} {text!r} must be more than 0")
+        raise ConfigError(f"{flag} {text!r} must be more than 0")
     return size
 
 
@@ -259,7 +257,7 @@ def build(config: BuildConfig) -> BuildResult:
         raise BuildError(f"--out {out} exists and is not a folder")
     out.mkdir(parents=True, exist_ok=True)
     params = config.params(source.fingerprint())
-    with fmt.folder_lock(out, "build-index"):
+    with folder_lock(out, "build-index"):
         _prepare_out(config, params)
         catalog = Catalog(out / fmt.CATALOG)
         try:
@@ -386,7 +384,7 @@ def _merge_jobs(layout: Layout, catalog: Catalog, config: BuildConfig) -> None:
     """The merge jobs of pass 3: the global order, and the features in sorted order."""
     features.create_work_files(layout)
     firsts, starts = features.make_plan(layout)
-    fmt.write_atomic(layout.order_path("buckets"), starts.astype(fmt.BUCKET_DTYPE))
+    write_atomic(layout.order_path("buckets"), starts.astype(fmt.BUCKET_DTYPE))
     jobs = catalog.get("p3/jobs")
     if jobs is None:
         jobs = features.split_jobs(starts, _job_rows(layout, config))
@@ -429,14 +427,6 @@ def _numbered_job(i, layout, firsts, *job):
 
 WORKER_BYTES = 200 << 20  # a process before its work: Python, numpy, numba, teralm (~130 MB)
 MIN_MEMORY = 2 * WORKER_BYTES  # the build and one worker, before any work
-
-
-def format_bytes(n: float) -> str:
-    """``n`` bytes as people read them: 1 B, 64 KiB, 401 MiB, 1.5 GiB."""
-    units, i = ("B", "KiB", "MiB", "GiB", "TiB"), 0
-    while n >= 1024 and i < len(units) - 1:
-        n, i = n / 1024, i + 1
-    return f"{n:,.0f} {units[i]}" if i < 3 else f"{n:,.1f} {units[i]}"
 
 
 def _work_memory(config: BuildConfig, workers: int) -> int:
@@ -546,7 +536,7 @@ def _finalize(
         "bytes_per_token": bytes_per_token,
     }
     if manifest["tokenizer"] == "bpe":
-        manifest["tokenizer_sha256"] = fmt.sha256_file(out / fmt.TOKENIZER)
+        manifest["tokenizer_sha256"] = sha256_file(out / fmt.TOKENIZER)
     build_stats = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "passes": {
@@ -557,9 +547,9 @@ def _finalize(
         "features_jobs": len(catalog.get("p3/jobs") or []),
         "features_profile": _features_profile(catalog),
     }
-    fmt.write_atomic(out / fmt.BUILD_STATS, json.dumps(build_stats, indent=1).encode())
+    write_atomic(out / fmt.BUILD_STATS, json.dumps(build_stats, indent=1).encode())
     catalog.rewrite(_finished_records(catalog))
-    fmt.write_atomic(out / fmt.MANIFEST, json.dumps(manifest, indent=1).encode())
+    write_atomic(out / fmt.MANIFEST, json.dumps(manifest, indent=1).encode())
     return manifest
 
 

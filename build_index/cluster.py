@@ -14,7 +14,7 @@ import socket
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
-from teralm.build_index.builder import BuildError
+from teralm.errors import BuildError
 
 MAX_RETRIES = 3  # tries after the first, for a unit whose worker or node died
 CONNECT_TIMEOUT_S = 10.0

@@ -25,6 +25,7 @@ import numpy as np
 
 from teralm.build_index.layout import Layout
 from teralm.build_index.prefix import join_runs, read_run, run_bytes, run_index, split_run
+from teralm.files import fsync_path, write_at, write_atomic
 from teralm.index import format as fmt
 from teralm.kernels import match as km
 
@@ -312,7 +313,7 @@ def features_job(
             for path in [layout.order_path(kind) for kind in ("positions", "follow", "keys")] + [
                 sorted_features_path(layout, r.k) for r in readers
             ]:
-                fmt.fsync_path(path)
+                fsync_path(path)
         profile.counts["entries"] += rows
         return rows, profile.as_dict()
     finally:
@@ -491,7 +492,7 @@ def _write_sorted_features(layout: Layout, shard, ends, len_byte, next_tok) -> N
         rows = group[::-1]  # back to the sorted order
         n = layout.sizes[k]
         next_rows = next_tok[rows].astype(layout.token_dtype)
-        fmt.write_at(
+        write_at(
             sorted_features_path(layout, k),
             [(lo, len_byte[rows]), (n + lo * width, next_rows)],
             sync=False,
@@ -504,14 +505,14 @@ def _write_order(layout: Layout, start: int, pos, follow, first_words) -> None:
     width = layout.order_width
     packed = pos.astype("<u8").view(np.uint8).reshape(-1, 8)[:, :width]
     packed = np.ascontiguousarray(packed)
-    fmt.write_at(layout.order_path("positions"), [(start * width, packed)], sync=False)
-    fmt.write_at(layout.order_path("follow"), [(start * follow.itemsize, follow)], sync=False)
+    write_at(layout.order_path("positions"), [(start * width, packed)], sync=False)
+    write_at(layout.order_path("follow"), [(start * follow.itemsize, follow)], sync=False)
     sample = fmt.KEY_SAMPLE
     first = -(-start // sample)  # the first sampled rank at or after start
     words = first_words[first * sample - start :: sample].astype(fmt.KEY_DTYPE)
     if len(words):
         offset = first * fmt.KEY_DTYPE.itemsize
-        fmt.write_at(layout.order_path("keys"), [(offset, words)], sync=False)
+        write_at(layout.order_path("keys"), [(offset, words)], sync=False)
 
 
 def sorted_features_path(layout: Layout, k: int):
@@ -531,7 +532,7 @@ def _sparse(path: Path, size: int) -> None:
 
 def create_work_files(layout: Layout) -> None:
     """Create the order files and the work files of the shards whose ``.match`` is not written
-    yet. They are sparse: no space is taken until the jobs write into them (``fmt.write_at``,
+    yet. They are sparse: no space is taken until the jobs write into them (``write_at``,
     which raises ENOSPC on a full disk)."""
     sizes = fmt.order_file_bytes(
         {
@@ -547,7 +548,7 @@ def create_work_files(layout: Layout) -> None:
     for k, n in enumerate(layout.sizes):
         if not layout.path(k, "match").exists():
             _sparse(sorted_features_path(layout, k), n * width)
-    fmt.fsync_path(Path(layout.directory))  # the jobs recorded in the catalog live in these files
+    fsync_path(Path(layout.directory))  # the jobs recorded in the catalog live in these files
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -609,7 +610,7 @@ def write_match_file(layout: Layout, k: int) -> tuple[int, int]:
     out = np.empty(n * (1 + dtype.itemsize), dtype=np.uint8)
     out[:n][prefix] = sorted_features[:n]
     out[n:].view(dtype)[prefix] = sorted_features[n:].view(dtype)
-    fmt.write_atomic(layout.path(k, "match"), out)
+    write_atomic(layout.path(k, "match"), out)
     work.unlink()
     layout.path(k, "prefix").unlink()
     return k, n

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from teralm.build_index.layout import Layout
+from teralm.files import fsync_path, write_atomic
 from teralm.index import format as fmt
 from teralm.kernels.sort import sort_shard
 
@@ -48,9 +49,9 @@ def sort_one_shard(layout: Layout, k: int) -> tuple[int, float, int]:
     # so that this worker sorts its next shard while the disk writes this one.
     order = run["order"].astype(fmt.PREFIX_DTYPE, copy=False)
     parts = b"".join(run[p].tobytes() for p in RUN_PARTS)
-    fmt.write_atomic(layout.path(k, "run"), parts, sync=False)
-    fmt.write_atomic(layout.path(k, "runidx"), run["starts"], sync=False)
-    fmt.write_atomic(layout.path(k, "prefix"), order, sync=False)
+    write_atomic(layout.path(k, "run"), parts, sync=False)
+    write_atomic(layout.path(k, "runidx"), run["starts"], sync=False)
+    write_atomic(layout.path(k, "prefix"), order, sync=False)
     written = sum(layout.path(k, kind).stat().st_size for kind in SORT_FILES)
     return k, time.perf_counter() - began, written
 
@@ -58,8 +59,8 @@ def sort_one_shard(layout: Layout, k: int) -> tuple[int, float, int]:
 def flush_shard(layout: Layout, k: int) -> None:
     """fsync shard ``k``'s pass-2 files and the index folder (their renames)."""
     for kind in SORT_FILES:
-        fmt.fsync_path(layout.path(k, kind))
-    fmt.fsync_path(Path(layout.directory))
+        fsync_path(layout.path(k, kind))
+    fsync_path(Path(layout.directory))
 
 
 def run_index(layout: Layout, k: int) -> np.ndarray:

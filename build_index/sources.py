@@ -34,10 +34,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-
-class SourceError(Exception):
-    """A problem with the corpus source that the user can fix; the message says how."""
-
+from teralm.errors import SourceError
 
 ENWIK_URL = "http://mattmahoney.net/dc/{name}.zip"
 ENWIK_SIZES = {"enwik8": 100_000_000, "enwik9": 1_000_000_000}

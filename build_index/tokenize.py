@@ -15,7 +15,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from teralm.build_index.sources import LineNumbers, Piece, Source, SourceError
+from teralm.build_index.sources import LineNumbers, Piece, Source
+from teralm.errors import SourceError
+from teralm.files import write_atomic
 from teralm.index import format as fmt
 from teralm.index.catalog import Catalog, doc_key, unit_key
 from teralm.index.tokenizer import BPETokenizer, Tokenizer, load_tokenizer
@@ -39,7 +41,7 @@ def train_bpe(source: Source, vocab_size: int, out: Path) -> BPETokenizer:
                 return
 
     tokenizer = BPETokenizer.train(sample(), vocab_size)
-    fmt.write_atomic(out / fmt.TOKENIZER, tokenizer.to_json().encode())
+    write_atomic(out / fmt.TOKENIZER, tokenizer.to_json().encode())
     return tokenizer
 
 
@@ -194,7 +196,7 @@ class _ShardWriter:
 
     def _save(self, tokens: np.ndarray, record: dict, documents: dict) -> None:
         """Write one shard's tokens, then record it with its documents."""
-        fmt.write_atomic(fmt.shard_file(self.out, record["shard"], "tokens"), tokens)
+        write_atomic(fmt.shard_file(self.out, record["shard"], "tokens"), tokens)
         if tokens.dtype.itemsize == 1:
             record["histogram"] = byte_histogram(tokens).tolist()
         self.catalog.put({unit_key(SHARD_KEY, record["shard"]): record, **documents})
@@ -259,7 +261,7 @@ def finish_tokenize(catalog: Catalog, out: Path, tokenizer: Tokenizer) -> dict:
         raise SourceError("the corpus contains no text (0 tokens): nothing to index")
     starts = [record["start"] for _, record in catalog.prefixed(b"doc/")]
     offsets = np.array([*starts, num_tokens], dtype=fmt.OFFSET_DTYPE)
-    fmt.write_atomic(out / fmt.DOCUMENT_OFFSETS, offsets)
+    write_atomic(out / fmt.DOCUMENT_OFFSETS, offsets)
     if tokenizer.dtype.itemsize == 1:
         histogram = np.sum([s["histogram"] for s in shards], axis=0)
         unused = np.flatnonzero(histogram == 0)

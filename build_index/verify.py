@@ -9,6 +9,7 @@ import numpy as np
 from tqdm import tqdm
 
 from teralm.build_index.layout import Layout
+from teralm.files import sha256_file
 from teralm.index import format as fmt
 from teralm.index.catalog import DOC_PREFIX, Catalog
 from teralm.index.reader import decode_features, open_match
@@ -32,7 +33,7 @@ def file_checksums(layout: Layout, progress: bool) -> tuple[list[dict], dict]:
 
         def sums(row: dict[str, Path]) -> dict:
             return {
-                kind: {"bytes": p.stat().st_size, "sha256": fmt.sha256_file(p, bar)}
+                kind: {"bytes": p.stat().st_size, "sha256": sha256_file(p, bar)}
                 if p.exists()
                 else None
                 for kind, p in row.items()
@@ -47,7 +48,7 @@ def check_checksums(layout: Layout, manifest: dict, progress: bool) -> list[str]
     recorded, actual = {}, {}
     if manifest["tokenizer"] == "bpe":
         recorded[fmt.TOKENIZER] = manifest.get("tokenizer_sha256")
-        actual[fmt.TOKENIZER] = fmt.sha256_file(directory / fmt.TOKENIZER)
+        actual[fmt.TOKENIZER] = sha256_file(directory / fmt.TOKENIZER)
     shards, order = file_checksums(layout, progress)
     for k, files in enumerate(shards):
         for kind, record in files.items():
@@ -113,7 +114,7 @@ def check_follow(layout: Layout, samples: int, rng: np.random.Generator) -> list
     raw, width = _order(layout)
     for i in rng.integers(0, len(follow), size=samples if len(follow) else 0):
         p = int(_ranked(raw, width, int(i))[0])
-        ends = p + 1 >= layout.num_tokens or km._is_doc_start(bits, p + 1)
+        ends = p + 1 >= layout.num_tokens or km.is_doc_start(bits, p + 1)
         expected = layout.separator if ends else int(stream[p + 1 : p + 2][0])
         if int(follow[i]) != expected:
             problems.append(f"order.follow: follower {int(follow[i])} at rank {i}, not {expected}")

@@ -1,6 +1,5 @@
 """Read side of a teralm index: tokens, documents and per-token match features, memory-mapped."""
 
-from teralm.index.format import IndexDamaged
 from teralm.index.reader import Features, Index
 
-__all__ = ["Index", "Features", "IndexDamaged"]
+__all__ = ["Index", "Features"]

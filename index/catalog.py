@@ -11,7 +11,7 @@ from pathlib import Path
 
 import lmdb
 
-from teralm.index.format import fsync_path
+from teralm.files import fsync_path
 
 MAP_SIZE = 1 << 40  # address space only; the file grows with its content
 

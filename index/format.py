@@ -38,17 +38,13 @@ per shard inside the range of its first ``sort_depth`` tokens.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
 import mmap
-import os
-import socket
-import time
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
+
+from teralm.errors import ConfigError, damaged
+from teralm.files import LOCK, read_manifest_file, sha256_file
 
 FORMAT_NAME = "teralm-index"
 FORMAT_VERSION = 4
@@ -58,7 +54,6 @@ TOKENIZER = "tokenizer.json"
 DOCUMENT_OFFSETS = "documents.offsets"
 CATALOG = "catalog.lmdb"
 BUILD_STATS = "build-stats.json"  # what a build cost: not part of the index
-LOCK = ".lock"
 BUCKET_DTYPE = np.dtype("<u8")
 NUM_BUCKETS = 1 << 16
 FILE_KINDS = ("tokens", "match")
@@ -100,7 +95,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
         return np.dtype("u1")
     if vocab_size <= 65535:
         return np.dtype("<u2")
-    raise ValueError(f"vocabulary of {vocab_size} tokens does not fit uint16 (at most 65535)")
+    raise ConfigError(f"vocabulary of {vocab_size} tokens does not fit uint16 (at most 65535)")
 
 
 def sort_dtype(token_dtype, separator: int) -> np.dtype:
@@ -108,17 +103,6 @@ def sort_dtype(token_dtype, separator: int) -> np.dtype:
     if np.dtype(token_dtype).itemsize == 1 and separator < 256:
         return np.dtype("u1")
     return np.dtype("<u2")
-
-
-def sha256_file(path: Path, bar=None) -> str:
-    """The file's sha256 in hex (``bar``, a tqdm bar, counts the bytes read)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-            if bar is not None:
-                bar.update(len(chunk))
-    return digest.hexdigest()
 
 
 def content_digests(directory: Path) -> dict[str, str]:
@@ -131,62 +115,6 @@ def content_digests(directory: Path) -> dict[str, str]:
         for p in sorted(directory.rglob("*"))
         if p.is_file() and p.name != BUILD_STATS
     }
-
-
-def write_atomic(path: Path, data, sync: bool = True) -> None:
-    """Write ``data`` (bytes or a numpy array) so readers see the old file or the whole new one.
-
-    Temp name, fsync, rename; the temp file is removed if writing fails (e.g. a full disk), and
-    the error names ``path``. ``sync=False`` leaves both fsyncs to the caller (``fsync_path`` of
-    the file, then of its folder), which must not count on the file before them.
-    """
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    try:
-        write_at(tmp, [(0, data)], create=True, sync=sync)
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        e.filename = str(path)
-        raise
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if sync:
-        fsync_path(path.parent)
-
-
-def write_at(
-    path: Path, pieces: Iterable[tuple[int, object]], create: bool = False, sync: bool = True
-) -> None:
-    """Write each ``(offset, data)`` piece (bytes or a numpy array) into ``path``, then fsync.
-
-    Every byte is on disk when this returns, or it raises OSError naming ``path``: a short write
-    (a disk that fills up part way through a piece) is continued, and that raises ENOSPC.
-    ``create`` makes a new, empty file first. ``sync=False`` leaves the fsync to the caller
-    (``fsync_path``), for many small writes into the same files.
-    """
-    flags = os.O_WRONLY | (os.O_CREAT | os.O_TRUNC if create else 0)
-    try:
-        fd = os.open(path, flags, 0o666)  # less the umask, as open() does
-        try:
-            for offset, data in pieces:
-                view = memoryview(_as_bytes(data))
-                while view:
-                    written = os.pwrite(fd, view, offset)
-                    view, offset = view[written:], offset + written
-            if sync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError as e:
-        e.filename = str(path)
-        raise
-
-
-def _as_bytes(data):
-    if isinstance(data, np.ndarray):
-        return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-    return data
 
 
 def map_for_lookups(
@@ -215,34 +143,16 @@ def read_rows(path: Path, dtype, a: int, b: int) -> np.ndarray:
     return np.fromfile(path, dtype=dtype, count=b - a, offset=a * dtype.itemsize)
 
 
-def fsync_path(path: Path) -> None:
-    """Flush ``path`` to disk: a file's data, or a directory's entries (a rename inside it)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def read_manifest(directory: Path) -> dict:
-    """Load and check the manifest of a complete index; raises ValueError with a user message."""
-    path = Path(directory) / MANIFEST
-    if not path.exists():
-        raise ValueError(
-            f"{directory} is not a complete teralm index (no {MANIFEST}); "
-            "run build-index again with the same arguments to finish it"
-        )
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON
-        raise ValueError(f"cannot read {path}: {e}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
-        raise ValueError(f"{path} is not a teralm index manifest")
-    if manifest.get("version") != FORMAT_VERSION:
-        raise ValueError(
-            f"{directory} has index format version {manifest.get('version')}, "
-            f"this teralm reads version {FORMAT_VERSION}; rebuild it with build-index --force"
-        )
+    """Load and check the manifest of a complete index (errors with a user message)."""
+    manifest = read_manifest_file(
+        Path(directory) / MANIFEST,
+        FORMAT_NAME,
+        FORMAT_VERSION,
+        missing=f"{directory} is not a complete teralm index (no {MANIFEST}); "
+        "run build-index again with the same arguments to finish it",
+        rebuild="rebuild it with build-index --force",
+    )
     problem = manifest_problem(manifest)
     if problem:
         raise damaged(directory, f"{MANIFEST}: {problem}")
@@ -252,64 +162,6 @@ def read_manifest(directory: Path) -> dict:
 def folder_contents(directory: Path) -> list[Path]:
     """What ``directory`` holds, but its writer's lock file."""
     return [p for p in Path(directory).iterdir() if p.name != LOCK]
-
-
-class FolderBusy(ValueError):
-    """Another process is writing the folder."""
-
-
-@contextlib.contextmanager
-def folder_lock(directory: Path, job: str, name: str = LOCK) -> Iterator[None]:
-    """Hold ``directory`` (which exists) for one writer while the block runs: an exclusive
-    ``flock`` on its file ``name``, which names the holder while it holds it. FolderBusy at once,
-    naming the holder, when another process holds it (on a shared filesystem too: Linux's NFS
-    client turns ``flock`` into a lock the server keeps). No lock where there is no ``flock``."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX
-        yield
-        return
-    fd = os.open(Path(directory) / name, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _holder(fd)
-            raise FolderBusy(
-                f"{directory} is in use by {holder}; wait for it to end, or stop it, "
-                "and run this again (or choose another --out)"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{job} (pid {os.getpid()} on {socket.gethostname()})\n".encode(), 0)
-        try:
-            yield
-        finally:
-            os.ftruncate(fd, 0)  # named by no one; the file stays (removing it races a waiter)
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def _holder(fd: int, wait_s: float = 1.0) -> str:
-    """Who holds the lock file ``fd``: the name it writes just after it takes the lock (waited
-    for up to ``wait_s``, for a holder that has just taken it)."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        name = os.pread(fd, 256, 0).decode(errors="replace").strip()
-        if name or time.monotonic() > deadline:
-            return name or "another process"
-        time.sleep(0.02)
-
-
-class IndexDamaged(ValueError):
-    """An index file is missing, has the wrong size, or holds a value its format rules out."""
-
-
-def damaged(directory: Path, problem: str) -> IndexDamaged:
-    """The error for a damaged index: what is wrong, and what to do about it."""
-    return IndexDamaged(
-        f"index {directory} is damaged: {problem}; run `teralm verify-index {directory}` "
-        "for a full check, and rebuild the index with build-index --force"
-    )
 
 
 MANIFEST_FIELDS = {

@@ -7,7 +7,7 @@ A datastore folder (format ``teralm-knn`` version 1):
   token index (its identity without its folder) that the keys come from, the key's width and the precision it was computed in, the
   faiss factory string, the held-out rule, ``shard_tokens``, the finished shards (keys, bytes,
   sha256) and, once complete, the calibration chosen on validation text (see
-  teralm.build_index.knn).
+  teralm.train.knn).
 - ``trained.faiss``: the empty index trained on a sample of keys (IVF centroids, PQ codebooks);
   every shard's index starts from it.
 - ``shard-XXXXX.faiss``: the keys of the training documents that start in positions
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import math
 import os
 import sys
@@ -32,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from teralm.index import format as fmt
+from teralm.errors import ConfigError, IndexDamaged, InputError
+from teralm.files import read_manifest_file, sha256_file
 from teralm.index.query import SNIPPET
 from teralm.index.reader import Index
 
@@ -43,11 +43,11 @@ MERGED, MERGED_DATA = "merged.faiss", "merged.ivfdata"
 
 
 def import_faiss():
-    """The faiss module, or a ValueError that says how to install it."""
+    """The faiss module, or a ConfigError that says how to install it."""
     try:
         import faiss
     except ImportError:
-        raise ValueError(
+        raise ConfigError(
             "the kNN datastore needs faiss: pip install 'teralm[knn]' (faiss-cpu), or "
             "faiss-gpu-cu12 on a CUDA machine"
         ) from None
@@ -80,22 +80,14 @@ def index_identity(ix: Index) -> dict:
 
 
 def read_manifest(directory: Path) -> dict:
-    """The datastore's manifest; ValueError when the folder holds none or another format."""
-    path = Path(directory) / MANIFEST
-    try:
-        m = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{directory}: no kNN datastore here (no {MANIFEST})") from None
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path} cannot be read ({e}); rebuild the datastore") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a teralm kNN manifest")
-    if m.get("version") != VERSION:
-        raise ValueError(
-            f"{directory} is a version {m.get('version')} datastore; this teralm reads version "
-            f"{VERSION}: rebuild it with teralm build-knn"
-        )
-    return m
+    """The datastore's manifest (errors with a user message)."""
+    return read_manifest_file(
+        Path(directory) / MANIFEST,
+        FORMAT,
+        VERSION,
+        missing=f"{directory}: no kNN datastore here (no {MANIFEST})",
+        rebuild="rebuild the datastore with teralm build-knn --force",
+    )
 
 
 @dataclass
@@ -139,7 +131,7 @@ class KnnDatastore:
                     index = faiss.read_index(str(self.directory / name), flags)
             except RuntimeError as e:  # faiss's C++ exception, many lines long
                 problem = str(e).strip().splitlines()[-1][:200]
-                raise ValueError(
+                raise IndexDamaged(
                     f"{self.directory / name} cannot be read by faiss ({problem}); rebuild the "
                     "datastore (build-knn --force)"
                 ) from None
@@ -148,29 +140,31 @@ class KnnDatastore:
 
     @classmethod
     def open(cls, directory: Path, ix: Index, weights_sha256: str) -> KnnDatastore:
-        """Open a complete datastore; ValueError unless it was built from this token index
+        """Open a complete datastore; a TeralmError unless it was built from this token index
         and these model weights."""
         m = read_manifest(directory)
         needed = ("weights_sha256", "index", "dim", "shards", "calibration")
         if m.get("complete") and not all(k in m for k in needed):
-            raise ValueError(f"{directory}/{MANIFEST} is damaged; rebuild the datastore")
+            raise IndexDamaged(f"{directory}/{MANIFEST} is damaged; rebuild the datastore")
         if not m.get("complete"):
-            raise ValueError(
+            raise ConfigError(
                 f"{directory}: the kNN build did not finish; run the same build-knn command "
                 "again to resume it"
             )
         if ix.differs_from(m["index"]):
-            raise ValueError(f"{directory} was built from another token index than {ix.directory}")
+            raise ConfigError(f"{directory} was built from another token index than {ix.directory}")
         if m["weights_sha256"] != weights_sha256:
-            raise ValueError(
+            raise ConfigError(
                 f"{directory} holds the hidden states of other model weights than these "
                 f"(built from {m.get('run')}); rebuild it for this run"
             )
         if datastore_bytes(Path(directory), m) is None:
-            raise ValueError(f"{directory}: a file is missing or truncated; rebuild the datastore")
+            raise IndexDamaged(
+                f"{directory}: a file is missing or truncated; rebuild the datastore"
+            )
         problem = calibration_problem(m["calibration"]) or checksum_problem(Path(directory), m)
         if problem:
-            raise ValueError(
+            raise IndexDamaged(
                 f"{directory}: {problem}; rebuild the datastore (build-knn --force), or run "
                 "build-knn again to recalibrate it"
             )
@@ -186,7 +180,7 @@ class KnnDatastore:
         k = self.k
         keys = np.ascontiguousarray(keys, dtype=np.float32)
         if keys.ndim != 2 or keys.shape[1] != self.dim:
-            raise ValueError(f"queries of shape {keys.shape}; the datastore's keys have {self.dim}")
+            raise InputError(f"queries of shape {keys.shape}; the datastore's keys have {self.dim}")
         n = len(keys)
         distances = np.full((n, k), np.inf, dtype=np.float32)
         positions = np.full((n, k), -1, dtype=np.int64)
@@ -250,7 +244,7 @@ def checksum_problem(directory: Path, m: dict) -> str | None:
     else:
         recorded = {s["file"]: s["sha256"] for s in m["shards"] if s["keys"]}
     for name, sha256 in recorded.items():
-        if sha256 is not None and fmt.sha256_file(directory / name) != sha256:
+        if sha256 is not None and sha256_file(directory / name) != sha256:
             return f"{name} does not match its sha256 in {MANIFEST}"
     return None
 

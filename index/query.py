@@ -15,13 +15,17 @@ import copy
 import threading
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from teralm.errors import IndexDamaged, InputError, damaged
 from teralm.index import format as fmt
-from teralm.index.reader import Index
 from teralm.kernels import query as kq
-from teralm.kernels.match import _is_doc_start, doc_start_bits
+from teralm.kernels.match import doc_start_bits, is_doc_start
+
+if TYPE_CHECKING:
+    from teralm.index.reader import Index
 
 EXACT_LIMIT = 1 << 14
 SNIPPET = 60
@@ -111,15 +115,15 @@ class QueryEngine:
 
     def _check(self, problem: str | None) -> None:
         if problem:
-            raise fmt.damaged(self.index.directory, problem)
+            raise damaged(self.index.directory, problem)
 
     def _run(self, kernel, *args):
         """Call a query kernel; a damaged file that it meets becomes an error naming the index."""
         try:
             return kernel(*args)
-        except fmt.IndexDamaged as e:  # raised by the kernel, which knows no paths
+        except IndexDamaged as e:  # raised by the kernel, which knows no paths
             vars(self._thread_local).pop("scratch", None)  # it stopped halfway through a tally
-            raise fmt.damaged(self.index.directory, str(e)) from None
+            raise damaged(self.index.directory, str(e)) from None
 
     @cached_property
     def pairs(self) -> np.ndarray:
@@ -173,7 +177,7 @@ class QueryEngine:
         )
         if bad >= 0:
             vocab = self.index.vocab_size
-            raise ValueError(f"token {int(flat[bad])} is outside the vocabulary 0..{vocab - 1}")
+            raise InputError(f"token {int(flat[bad])} is outside the vocabulary 0..{vocab - 1}")
         per_context = [ranges[a:b] for a, b in zip(range_offsets[:-1], range_offsets[1:])]
         return summary, per_context, offsets, rows
 
@@ -233,7 +237,7 @@ class QueryEngine:
         """
         tokens = np.asarray(tokens, dtype=np.int64)
         if len(tokens) != len(contexts):
-            raise ValueError(f"{len(contexts)} contexts but {len(tokens)} tokens")
+            raise InputError(f"{len(contexts)} contexts but {len(tokens)} tokens")
         contexts = [np.asarray(c, dtype=np.int64).ravel() for c in contexts]
         longest, _, _, _ = self._lookup(contexts, True, 0, None)
         extended, _, _, _ = self._lookup(
@@ -357,7 +361,7 @@ class OnlineMatcher:
         a search is needed."""
         ix = self.engine.index
         if not 0 <= token < ix.vocab_size:
-            raise ValueError(f"token {token} is outside the vocabulary 0..{ix.vocab_size - 1}")
+            raise InputError(f"token {token} is outside the vocabulary 0..{ix.vocab_size - 1}")
         self.text.append(int(token))
         if len(self.text) > 2 * self.max_len:  # only the last max_len tokens can match
             del self.text[: -self.max_len]
@@ -379,7 +383,7 @@ class OnlineMatcher:
 
     def _follower(self, p: int) -> int | None:
         ix = self.engine.index
-        if p + 1 >= ix.num_tokens or _is_doc_start(self.engine.doc_bits, p + 1):
+        if p + 1 >= ix.num_tokens or is_doc_start(self.engine.doc_bits, p + 1):
             return None
         return ix.stream.token_at(p + 1)
 

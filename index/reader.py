@@ -5,18 +5,16 @@ from __future__ import annotations
 import hashlib
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import lmdb
 import numpy as np
 
+from teralm.errors import ConfigError, damaged
 from teralm.index import format as fmt
 from teralm.index.catalog import Catalog
+from teralm.index.query import QueryEngine
 from teralm.index.tokenizer import load_tokenizer
-
-if TYPE_CHECKING:
-    from teralm.index.query import MatchResult, Probability, QueryEngine
-
 
 # what lookups read, most often first: what ``Index.open``'s ``memory`` holds in memory
 RESIDENT_ORDER = ("buckets", "keys", "tokens", "follow", "positions")
@@ -123,18 +121,18 @@ class Index:
 
     @classmethod
     def open(cls, directory: str | Path, memory: int = 0) -> Index:
-        """Open a complete index; ValueError with a user message if it is not one (IndexDamaged
+        """Open a complete index; a TeralmError with a user message if it is not one (IndexDamaged
         when a file that readers open is missing or has the wrong size). ``memory``: bytes of
         the files that lookups read most (``resident_kinds``) to read into memory up front,
         so that a lookup on an index larger than the machine's memory reads few pages."""
         directory = Path(directory)
         if not directory.is_dir():
-            raise ValueError(f"{directory}: no such index directory")
+            raise ConfigError(f"{directory}: no such index directory")
         manifest = fmt.read_manifest(directory)
         problems = fmt.file_problems(directory, manifest)
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            raise fmt.damaged(directory, problems[0] + more)
+            raise damaged(directory, problems[0] + more)
         return cls(directory, manifest, resident_kinds(manifest, memory))
 
     def identity(self) -> dict:
@@ -175,7 +173,7 @@ class Index:
                 self._catalog = Catalog(self.directory / fmt.CATALOG, readonly=True)
             record = self._catalog.document(i)
         except lmdb.Error as e:
-            raise fmt.damaged(self.directory, f"{fmt.CATALOG}: {e}") from None
+            raise damaged(self.directory, f"{fmt.CATALOG}: {e}") from None
         return record["source"] if record else ""
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
@@ -195,35 +193,14 @@ class Index:
         if bad.any():
             p = slice(start, stop).indices(self.num_tokens)[0] + int(bad.argmax())
             name = fmt.shard_file(self.directory, p // self.stream.shard_tokens, "match").name
-            raise fmt.damaged(self.directory, f"{name} holds a value out of range for position {p}")
+            raise damaged(self.directory, f"{name} holds a value out of range for position {p}")
         return features
 
     @cached_property
     def query(self) -> QueryEngine:
-        """The query engine over this index (opened on first use)."""
-        from teralm.index.query import QueryEngine
-
+        """The queries over this index: longest match, next-token counts, ∞-gram probability,
+        the documents that hold a context (opened on first use)."""
         return QueryEngine(self)
-
-    def longest_match(self, contexts) -> MatchResult:
-        """See ``QueryEngine.longest_match``."""
-        return self.query.longest_match(contexts)
-
-    def next_token_distribution(self, contexts, top_k: int | None = None):
-        """See ``QueryEngine.next_token_distribution``."""
-        return self.query.next_token_distribution(contexts, top_k=top_k)
-
-    def probability(self, contexts, tokens) -> Probability:
-        """See ``QueryEngine.probability``."""
-        return self.query.probability(contexts, tokens)
-
-    def documents(self, context, k: int = 5) -> list[dict]:
-        """See ``QueryEngine.documents``."""
-        return self.query.documents(context, k)
-
-    def lookup(self, context, top_k: int | None = None, sources: int = 5):
-        """See ``QueryEngine.lookup``."""
-        return self.query.lookup(context, top_k=top_k, sources=sources)
 
     def _match_arrays(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         if k not in self._match:

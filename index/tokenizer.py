@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from teralm.errors import ConfigError
 from teralm.index.format import TOKENIZER, token_dtype
 
 
@@ -80,15 +81,17 @@ Tokenizer = ByteTokenizer | BPETokenizer
 
 
 def parse_tokenizer_spec(spec: str) -> tuple[str, int]:
-    """``bytes`` or ``bpe:VOCAB`` -> (kind, vocab size); ValueError with a user message."""
+    """``bytes`` or ``bpe:VOCAB`` -> (kind, vocab size); ConfigError with a user message."""
     if spec == "bytes":
         return "bytes", 256
     kind, _, vocab = spec.partition(":")
     if kind != "bpe" or not vocab.isdigit():
-        raise ValueError(f"unknown tokenizer '{spec}': use 'bytes' or 'bpe:VOCAB' (e.g. bpe:32000)")
+        raise ConfigError(
+            f"unknown tokenizer '{spec}': use 'bytes' or 'bpe:VOCAB' (e.g. bpe:32000)"
+        )
     vocab_size = int(vocab)
     if not 257 <= vocab_size <= 65535:
-        raise ValueError(
+        raise ConfigError(
             f"bpe vocabulary must be 257..65535 tokens (uint16 on disk), got {vocab_size}"
         )
     return "bpe", vocab_size

@@ -13,6 +13,7 @@ import torch
 from numba.typed import List
 from threadpoolctl import threadpool_limits
 
+from teralm.errors import ConfigError, InputError
 from teralm.infer.fp8 import Fp8Embedding, Fp8Linear
 from teralm.infer.precision import cores
 from teralm.kernels.decode import forward_rows
@@ -84,7 +85,7 @@ class Decoder:
         self.model, self.cache = model, cache
         self.fused = fused_decode_fits(model) if fused is None else fused
         if self.fused and not fused_decode_fits(model):
-            raise ValueError("the fused decoder runs fp32 models on the CPU only")
+            raise ConfigError("the fused decoder runs fp32 models on the CPU only")
         self.threads = threads or cores()
         self._pool = None
         self._share = 1 / self.threads  # of a split call's cost, for the calling thread
@@ -105,13 +106,13 @@ class Decoder:
         alongside: Callable[[], None] | None = None,
     ) -> Decoded:
         """The ``N = sum(counts)`` tokens through the model, their keys and values added to the
-        cache (ValueError when a sequence would pass ``max_seq_len``). ``alongside`` (work
+        cache (InputError when a sequence would pass ``max_seq_len``). ``alongside`` (work
         that needs no output of the model, called once) runs on this thread while the
         kernel's other parts run on theirs."""
         B = len(counts)
         start = self.cache.lengths.numpy()[first : first + B]  # a view of the cache's lengths
         if int((start + np.asarray(counts)).max()) > self.cache.max_len:
-            raise ValueError(f"positions beyond max_seq_len {self.cache.max_len}")
+            raise InputError(f"positions beyond max_seq_len {self.cache.max_len}")
         if self.fused and sum(counts) <= MAX_ROWS:
             rows = (tokens, next_token, match_len, counts, first, start)
             return self._fused(*rows, keep_hidden, alongside or (lambda: None))

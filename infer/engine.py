@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 import torch
 
+from teralm.errors import InputError
 from teralm.index import Index
 from teralm.index.knn import KnnDatastore
 from teralm.index.query import OnlineMatcher, push_all
@@ -250,7 +251,7 @@ class Engine:
         self.waiting.put(seqs)
 
     def generate(self, prompts: list[list[int]], sampling: Sampling, use_index: bool = True):
-        """Continue every prompt (blocking): the generated tokens of each; ValueError if one
+        """Continue every prompt (blocking): the generated tokens of each; InputError if one
         failed."""
         outputs: list[list[int]] = [[] for _ in prompts]
         errors: list[str] = []
@@ -273,7 +274,7 @@ class Engine:
         for _ in prompts:
             finished.acquire()
         if errors:
-            raise ValueError(errors[0])
+            raise InputError(errors[0])
         return outputs
 
     @torch.inference_mode()

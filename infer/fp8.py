@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from teralm.errors import CheckpointError
 from teralm.kernels.fp8 import E4M3, has_fp8_matmul, quantize_fp8, scaled_mm
 from teralm.model.transformer import Linear
 
@@ -56,7 +57,7 @@ class Fp8Embedding(nn.Module):
 
 def load_fp8(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Give ``model`` an fp8 export's tensors: its linear layers and embeddings become their
-    fp8 twins holding the stored e4m3 values; everything else is loaded as usual. ValueError
+    fp8 twins holding the stored e4m3 values; everything else is loaded as usual. CheckpointError
     when the export does not fit the model."""
     tensors, twins = dict(tensors), set()
     try:
@@ -64,7 +65,7 @@ def load_fp8(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
             if isinstance(module, (Linear, nn.Linear, nn.Embedding)):
                 q, scale = tensors.pop(f"{name}.weight"), tensors.pop(f"{name}.weight.scale")
                 if q.dtype != E4M3 or q.shape != module.weight.shape:
-                    raise ValueError(f"{name}.weight is {q.dtype} {tuple(q.shape)}")
+                    raise CheckpointError(f"{name}.weight is {q.dtype} {tuple(q.shape)}")
                 if isinstance(module, nn.Embedding):
                     twin = Fp8Embedding(q, scale)
                 else:
@@ -74,7 +75,9 @@ def load_fp8(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
                 twins.update(f"{name}.{key}" for key in twin.state_dict())
         result = model.load_state_dict(tensors, strict=False, assign=True)
     except (KeyError, RuntimeError, ValueError) as e:
-        raise ValueError(f"the fp8 export does not fit its model config: {e}") from None
+        raise CheckpointError(f"the fp8 export does not fit its model config: {e}") from None
     wrong = sorted(set(result.missing_keys) - twins) + result.unexpected_keys
     if wrong:
-        raise ValueError(f"the fp8 export does not fit its model config: {', '.join(wrong[:3])}")
+        raise CheckpointError(
+            f"the fp8 export does not fit its model config: {', '.join(wrong[:3])}"
+        )

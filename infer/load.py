@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from teralm.errors import ConfigError
 from teralm.index import Index
 from teralm.infer.fp8 import load_fp8
 from teralm.infer.precision import PrecisionChoice, choose_precision
@@ -34,11 +35,11 @@ def load_model(
 
 
 def check_tokenizer(state: dict, ix: Index) -> None:
-    """ValueError unless the model was trained with ``ix``'s tokenizer."""
+    """ConfigError unless the model was trained with ``ix``'s tokenizer."""
     trained_on, here = state.get("index") or {}, ix.identity()
     for field in TOKENIZER_FIELDS:
         if trained_on.get(field) != here[field]:
-            raise ValueError(
+            raise ConfigError(
                 f"the model was trained with another tokenizer than this index's ({field}: "
                 f"{trained_on.get(field)!r} vs {here[field]!r})"
             )

@@ -19,7 +19,7 @@ def infgram_probs(ix: Index, contexts: list[list[int]]) -> tuple[torch.Tensor, t
     as the training features see it) over followers [B, vocab], and how many followers it
     counted [B] (0 when nothing follows any suffix; the distribution is then uniform). One
     batched query for all contexts."""
-    dists = ix.next_token_distribution([c[-ix.max_match :] for c in contexts])
+    dists = ix.query.next_token_distribution([c[-ix.max_match :] for c in contexts])
     rows = np.repeat(np.arange(len(contexts)), [len(tokens) for tokens, _ in dists])
     tokens = np.concatenate([tokens for tokens, _ in dists]).astype(np.int64)
     counts = np.concatenate([counts for _, counts in dists]).astype(np.int64)

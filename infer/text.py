@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from functools import cache
 
+from teralm.errors import InputError
 from teralm.index.tokenizer import Tokenizer
 from teralm.infer import engine
 from teralm.infer.sampling import Sampling
@@ -92,7 +93,7 @@ def complete(
 ) -> tuple[str, str]:
     """One completion's text, handed to ``on_text`` as it becomes final, and why it ended
     (``"stop"``: a stop string appeared, cut off with what follows, and generation stopped there;
-    ``"length"``). ValueError if the generation failed."""
+    ``"length"``). InputError if the generation failed."""
     stream = TextStream(token_bytes(runner.index.tokenizer), stops, prefix=prompt)
     parts, errors, ended = [], [], threading.Event()
 
@@ -116,5 +117,5 @@ def complete(
     runner.submit([sequence])
     ended.wait()
     if errors:
-        raise ValueError(errors[0])
+        raise InputError(errors[0])
     return "".join(parts), "stop" if stream.stopped else "length"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from teralm.kernels.match import _is_doc_start
+from teralm.kernels.match import is_doc_start
 
 
 @njit(cache=True, nogil=True)
@@ -36,7 +36,7 @@ def fragment_features(tokens, doc_bits, start, cap, no_token, counts=True):
     n = len(tokens) - 1
     doc_start = np.zeros(n + 1, dtype=np.bool_)
     for j in range(n + 1):
-        doc_start[j] = _is_doc_start(doc_bits, start + j)
+        doc_start[j] = is_doc_start(doc_bits, start + j)
     next_token = np.full(n, no_token, dtype=np.int64)
     match_len = np.zeros(n, dtype=np.int64)
     total = np.zeros(n, dtype=np.int64)

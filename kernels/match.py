@@ -28,12 +28,12 @@ def key_words(cap: int, elem_bits: int) -> int:
 
 
 @njit(cache=True)
-def _is_doc_start(bits, p):
+def is_doc_start(bits, p):
     return (bits[p >> 6] >> np.uint64(p & 63)) & np.uint64(1)
 
 
 @njit(cache=True)
-def _doc_depth(bits, p, cap):
+def doc_depth(bits, p, cap):
     """Tokens from ``p`` back to its document start, inclusive, at most ``cap``."""
     if cap <= 64 and p >= cap:
         lo = p - cap + 2  # a start at p - cap + 1 still leaves a full key
@@ -50,7 +50,7 @@ def _doc_depth(bits, p, cap):
             top -= 1
         return p - (lo + top) + 1
     d = 1
-    while d < cap and not _is_doc_start(bits, p - d + 1):
+    while d < cap and not is_doc_start(bits, p - d + 1):
         d += 1
     return d
 
@@ -266,7 +266,7 @@ def first_occurrences(tokens, nxt, start, local_bits, first, first_f, first_tok)
         v = tokens[q]
         if first[v] == INF:
             first[v] = p
-        if first_f[v] == INF and not _is_doc_start(local_bits, q + 1):
+        if first_f[v] == INF and not is_doc_start(local_bits, q + 1):
             first_f[v] = p
             first_tok[v] = tokens[q + 1] if q + 1 < n else nxt[0]
 
@@ -282,14 +282,14 @@ def brute_force_at(x, doc_bits, t, cap, valid):
         length = 0
         while length < cap and x[s - length] == x[t - length]:
             length += 1
-            if _is_doc_start(doc_bits, s - length + 1) or _is_doc_start(doc_bits, t - length + 1):
+            if is_doc_start(doc_bits, s - length + 1) or is_doc_start(doc_bits, t - length + 1):
                 break
         if length == 0 or length < best:
             continue
         if length > best:
             best = length
             valid[:] = False
-        if s + 1 < len(x) and not _is_doc_start(doc_bits, s + 1):
+        if s + 1 < len(x) and not is_doc_start(doc_bits, s + 1):
             valid[x[s + 1]] = True
     return best
 

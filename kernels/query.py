@@ -23,8 +23,8 @@ import numpy as np
 from numba import carray, njit, types
 from numba.extending import intrinsic
 
-from teralm.index.format import IndexDamaged
-from teralm.kernels.match import _doc_depth
+from teralm.errors import IndexDamaged
+from teralm.kernels.match import doc_depth
 
 # what the kernels raise IndexDamaged with, for a value they cannot use (checked where read)
 ORDER_OUT_OF_RANGE = "an order.positions entry lies outside the corpus"
@@ -94,7 +94,7 @@ def _common(corpus, doc_bits, separator, n_total, i, ctx, end, limit):
     k = p // shard_tokens
     base = k * shard_tokens
     lowest = max(0, base - corpus[3])
-    real = min(_doc_depth(doc_bits, p, max(limit, 1)), p - lowest + 1)
+    real = min(doc_depth(doc_bits, p, max(limit, 1)), p - lowest + 1)
     tokens = _shard_tokens(corpus, k)
     for j in range(limit):
         v = ctx[end - 1 - j]
@@ -264,7 +264,7 @@ def _shares(corpus, doc_bits, separator, n_total, ctx, end, length, found, i):
     base = p // shard_tokens * shard_tokens
     if p >= n_total or p - length + 1 < base:  # _common checks the position, reads across shards
         return _common(corpus, doc_bits, separator, n_total, i, ctx, end, length)[0] == length
-    if _doc_depth(doc_bits, p, length) < length:
+    if doc_depth(doc_bits, p, length) < length:
         return False
     tokens = _shard_tokens(corpus, p // shard_tokens)
     same = True

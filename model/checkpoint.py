@@ -19,7 +19,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from teralm.index import format as fmt
+from teralm.errors import CheckpointError
+from teralm.files import folder_lock, sha256_file, write_atomic
 from teralm.kernels.fp8 import E4M3, quantize_fp8
 
 LATEST = "latest.json"
@@ -40,14 +41,14 @@ WEIGHT_FILES = ("model.safetensors", "optimizer.safetensors")
 
 
 def read_json(path: Path, advice: str) -> dict:
-    """The JSON object in ``path``; a ValueError naming the file and ending in ``advice`` when
+    """The JSON object in ``path``; a CheckpointError naming the file and ending in ``advice`` when
     it cannot be read or is not an object."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {path} ({e}); {advice}") from None
+        raise CheckpointError(f"cannot read {path} ({e}); {advice}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path} is damaged (not a JSON object); {advice}")
+        raise CheckpointError(f"{path} is damaged (not a JSON object); {advice}")
     return data
 
 
@@ -95,13 +96,13 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)
         before = latest(run)
         kept = f"{before.name} is intact" if before else "no earlier checkpoint was written"
-        raise ValueError(
+        raise CheckpointError(
             f"cannot save checkpoint {final.name} ({_one_line(e)}); {kept}: free some space "
             "and resume the run with --resume"
         ) from None
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    fmt.write_atomic(run / LATEST, json.dumps({"checkpoint": final.name, "step": step}).encode())
+    write_atomic(run / LATEST, json.dumps({"checkpoint": final.name, "step": step}).encode())
     for old in sorted(run.glob("ckpt-*"))[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -122,7 +123,7 @@ def _write(tmp: Path, model, optimizer, state: dict, step: int, extra) -> None:
     opt_tensors.update({k: v.contiguous() for k, v in (extra or {}).items()})
     save_file(opt_tensors, tmp / "optimizer.safetensors")
     files = {
-        name: fmt.sha256_file(tmp / name) for name in ("model.safetensors", "optimizer.safetensors")
+        name: sha256_file(tmp / name) for name in ("model.safetensors", "optimizer.safetensors")
     }
     record = {**state, "step": step, "optimizer": opt_rest, "files": files}
     (tmp / "state.json").write_text(json.dumps(record, indent=1))
@@ -133,10 +134,10 @@ def _write(tmp: Path, model, optimizer, state: dict, step: int, extra) -> None:
 
 def lock_run(run: Path, worker: int | None = None) -> contextlib.AbstractContextManager:
     """Hold ``RUN/.lock`` (a DiLoCo ``worker``'s: ``RUN/.lock-worker{N}``) while this process
-    writes the run (released when it ends, killed or not); a ValueError (``FolderBusy``) naming
+    writes the run (released when it ends, killed or not); a ``FolderBusy`` naming
     the holder when another process holds it."""
     name = LOCK if worker is None else f"{LOCK}-worker{worker}"
-    return fmt.folder_lock(run, "teralm train", name)
+    return folder_lock(run, "teralm train", name)
 
 
 def latest(run: Path) -> Path | None:
@@ -150,10 +151,10 @@ def latest(run: Path) -> Path | None:
     advice = "point it at one of the run's ckpt-* folders, or delete it to start the run afresh"
     name = read_json(pointer, advice).get("checkpoint")
     if not isinstance(name, str) or not NAME.fullmatch(name):
-        raise ValueError(f"{pointer} names {name!r}, not a ckpt-NNNNNNNN folder; {advice}")
+        raise CheckpointError(f"{pointer} names {name!r}, not a ckpt-NNNNNNNN folder; {advice}")
     folder = run / name
     if folder.resolve().parent != run.resolve():
-        raise ValueError(f"{pointer} names {folder}, which is outside the run; {advice}")
+        raise CheckpointError(f"{pointer} names {folder}, which is outside the run; {advice}")
     return folder
 
 
@@ -173,7 +174,7 @@ def load_latest(run: Path, attempts: int = 5) -> tuple[Path, tuple[dict, dict, d
 
 
 def load(folder: Path, optimizer: bool = True) -> tuple[dict, dict, dict]:
-    """``(model tensors, optimizer tensors, state)``; ValueError naming a damaged file. Without
+    """``(model tensors, optimizer tensors, state)``; CheckpointError naming a damaged file. Without
     ``optimizer`` its tensors are checked but not loaded (``{}``)."""
     path = folder / "state.json"
     earlier = [p.name for p in sorted(folder.parent.glob("ckpt-*")) if p.name < folder.name]
@@ -187,16 +188,18 @@ def load(folder: Path, optimizer: bool = True) -> tuple[dict, dict, dict]:
     if isinstance(state.get("files"), dict):
         bad += [f"files.{name}" for name in WEIGHT_FILES if name not in state["files"]]
     if bad:
-        raise ValueError(f"{path} is damaged (missing or wrong: {', '.join(bad)}); {advice}")
+        raise CheckpointError(f"{path} is damaged (missing or wrong: {', '.join(bad)}); {advice}")
     for name in WEIGHT_FILES:
         file = folder / name
-        if not file.exists() or fmt.sha256_file(file) != state["files"][name]:
-            raise ValueError(f"checkpoint file {file} is missing, truncated or damaged; {advice}")
+        if not file.exists() or sha256_file(file) != state["files"][name]:
+            raise CheckpointError(
+                f"checkpoint file {file} is missing, truncated or damaged; {advice}"
+            )
     try:
         model = load_file(folder / "model.safetensors")
         moments = load_file(folder / "optimizer.safetensors") if optimizer else {}
     except (OSError, SafetensorError) as e:
-        raise ValueError(f"checkpoint {folder} cannot be read: {e}") from None
+        raise CheckpointError(f"checkpoint {folder} cannot be read: {e}") from None
     return model, moments, state
 
 
@@ -222,7 +225,9 @@ def load_model_weights(path: Path) -> tuple[dict, dict]:
         state = json.loads((path / EXPORT).read_text())
         tensors = load_file(path / EXPORT_WEIGHTS)
     except (OSError, ValueError, SafetensorError) as e:
-        raise ValueError(f"{path} is neither a run, a checkpoint nor an fp8 export ({e})") from None
+        raise CheckpointError(
+            f"{path} is neither a run, a checkpoint nor an fp8 export ({e})"
+        ) from None
     return tensors, state
 
 
@@ -237,9 +242,11 @@ def weights_sha256(path: Path) -> str:
         files = read_json(path / "state.json", advice).get("files")
         sha = files.get("model.safetensors") if isinstance(files, dict) else None
         if not isinstance(sha, str):
-            raise ValueError(f"{path / 'state.json'} names no checksum of its weights; {advice}")
+            raise CheckpointError(
+                f"{path / 'state.json'} names no checksum of its weights; {advice}"
+            )
         return sha
-    return fmt.sha256_file(path / EXPORT_WEIGHTS)
+    return sha256_file(path / EXPORT_WEIGHTS)
 
 
 def export_fp8(model: torch.nn.Module, state: dict, out: Path) -> Path:
@@ -263,7 +270,7 @@ def export_fp8(model: torch.nn.Module, state: dict, out: Path) -> Path:
     tmp = out / f"{EXPORT_WEIGHTS}.tmp"
     save_file(tensors, tmp)
     os.replace(tmp, out / EXPORT_WEIGHTS)
-    fmt.write_atomic(
+    write_atomic(
         out / EXPORT,
         json.dumps({"config": state["config"], "index": state.get("index")}).encode(),
     )

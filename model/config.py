@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+from teralm.errors import ConfigError
+
 PRECISIONS = ("fp32", "bf16", "fp8", "int8")
 AUTO = "auto"  # a config's request: resolved for the machine by teralm.infer.choose_precision
 
@@ -40,13 +42,13 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
-            raise ValueError(f"d_model {self.d_model} is not a multiple of n_head {self.n_head}")
+            raise ConfigError(f"d_model {self.d_model} is not a multiple of n_head {self.n_head}")
         if self.mlp not in ("relu2", "swiglu"):
-            raise ValueError(f"mlp must be relu2 or swiglu, not {self.mlp!r}")
+            raise ConfigError(f"mlp must be relu2 or swiglu, not {self.mlp!r}")
         if self.attention not in ("full", "tscale"):
-            raise ValueError(f"attention must be full or tscale, not {self.attention!r}")
+            raise ConfigError(f"attention must be full or tscale, not {self.attention!r}")
         if self.precision not in (*PRECISIONS, AUTO):
-            raise ValueError(f"precision must be one of {', '.join((*PRECISIONS, AUTO))}")
+            raise ConfigError(f"precision must be one of {', '.join((*PRECISIONS, AUTO))}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -57,7 +59,7 @@ class ModelConfig:
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
-            raise ValueError(f"unknown model settings: {', '.join(unknown)}")
+            raise ConfigError(f"unknown model settings: {', '.join(unknown)}")
         return cls(**data)
 
     def windowed(self, layer: int) -> bool:

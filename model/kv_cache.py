@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from teralm.errors import InputError
 from teralm.model.config import ModelConfig
 
 
@@ -55,11 +56,11 @@ class KVCache:
 
     def layers(self, first: int, tokens: int, batch: int) -> list[LayerCache]:
         """Every layer's view for a call that adds ``tokens`` tokens to each of ``batch`` slots
-        from ``first`` (ValueError when one would pass ``max_seq_len``)."""
+        from ``first`` (InputError when one would pass ``max_seq_len``)."""
         start = self.lengths[first : first + batch]
         used = int(start.max()) + tokens
         if used > self.max_len:
-            raise ValueError(f"positions beyond max_seq_len {self.max_len}")
+            raise InputError(f"positions beyond max_seq_len {self.max_len}")
         device = self.keys[0].device
         positions = (start[:, None] + torch.arange(tokens)).to(device)
         gap = positions[:, :, None] - torch.arange(used, device=device)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from teralm.errors import InputError
 from teralm.kernels import activation as activation_kernels
 from teralm.kernels import norm as norm_kernels
 from teralm.kernels.fp8 import Fp8Matmul, Int8Matmul
@@ -314,7 +315,7 @@ class Transformer(nn.Module):
         turns into logits, and the kNN datastore's key (teralm.index.knn)."""
         T = tokens.shape[1]
         if self.cfg.max_seq_len < T:
-            raise ValueError(
+            raise InputError(
                 f"sequence of {T} tokens is longer than max_seq_len {self.cfg.max_seq_len}"
             )
         x = self._embed(tokens, next_token, match_len)

@@ -352,7 +352,7 @@ class CompletionService:
 
     def lookup_tokens(self, context: list[int], top_k: int = 5, sources: int = 3) -> LookupResponse:
         """``lookup`` of tokens as given (a token-id prompt is not decoded and encoded again)."""
-        found = self.ix.lookup(context, top_k=top_k, sources=sources)
+        found = self.ix.query.lookup(context, top_k=top_k, sources=sources)
         matched = context[len(context) - found.length :] if found.length else []
         return LookupResponse(
             longest_match=LongestMatch(

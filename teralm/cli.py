@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from teralm import cli_train
+from teralm.errors import TeralmError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -75,17 +76,15 @@ def _run_build(args: argparse.Namespace, prog: str) -> int:
 
     from teralm.build_index.builder import (
         BuildConfig,
-        BuildError,
         build,
         default_memory,
         format_summary,
         parse_size,
     )
-    from teralm.build_index.sources import SourceError
 
     try:
         memory = parse_size(args.memory) if args.memory else default_memory()
-    except ValueError as e:
+    except TeralmError as e:
         return _fail(prog, str(e))
     config = BuildConfig(
         source=args.source,
@@ -111,7 +110,7 @@ def _run_build(args: argparse.Namespace, prog: str) -> int:
     began = time.perf_counter()
     try:
         result = build(config)
-    except (BuildError, SourceError, ValueError) as e:
+    except TeralmError as e:
         return _fail(prog, str(e))
     except KeyboardInterrupt:
         return _fail(prog, "interrupted; run the same command again to resume")
@@ -141,7 +140,7 @@ def _run_verify(args: argparse.Namespace) -> int:
         return _fail("teralm verify-index", f"--samples must be 0 or more, not {args.samples}")
     try:
         m = fmt.read_manifest(args.index)
-    except ValueError as e:
+    except TeralmError as e:
         return _fail("teralm verify-index", str(e))
     try:
         problems = verify_index(
@@ -168,14 +167,14 @@ def _run_query(args: argparse.Namespace) -> int:
         _print_query(ix, ix.encode(os.fsencode(args.text)), args.top, args.sources)
     except UnicodeDecodeError:
         return _fail("teralm query", "the text is not valid UTF-8, which a BPE index needs")
-    except ValueError as e:  # a damaged index among them
+    except TeralmError as e:
         return _fail("teralm query", str(e))
     return 0
 
 
 def _print_query(ix: Index, context: np.ndarray, top: int, sources: int) -> None:
     """The longest match of ``context``, its next tokens and the documents that hold it."""
-    found = ix.lookup(context, top_k=top, sources=sources)
+    found = ix.query.lookup(context, top_k=top, sources=sources)
     length, count = found.length, found.count
     matched = ix.decode(context[len(context) - length :]) if length else ""
     print(f"longest match: {length} of {len(context)} tokens, {count:,} occurrences: {matched!r}")

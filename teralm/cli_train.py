@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from teralm.errors import ConfigError, TeralmError
 from teralm.model.config import AUTO, PRECISIONS
 from teralm.train.config import (
     COMMS,
@@ -255,7 +256,7 @@ def _memory_size(text: str) -> int:
         return 0
     try:
         return parse_size(text, "--index-memory")
-    except ValueError as e:
+    except TeralmError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
@@ -347,7 +348,7 @@ def _train_run(args: argparse.Namespace) -> int:
         result = train(
             ix, config, args.out, resume=args.resume, progress=not args.quiet, worker=worker
         )
-    except ValueError as e:
+    except TeralmError as e:
         return _fail("train", str(e))
     except KeyboardInterrupt:
         return _fail("train", f"interrupted; continue with --resume (--out {args.out})")
@@ -389,7 +390,7 @@ def _lighthouse(args: argparse.Namespace) -> int:
             print(f"lighthouse at {url}: start workers with --lighthouse {url}", flush=True)
             while True:
                 time.sleep(3600)
-    except (ValueError, RuntimeError) as e:
+    except (TeralmError, RuntimeError) as e:
         return _fail("lighthouse", str(e))
     except KeyboardInterrupt:
         return 0
@@ -417,7 +418,7 @@ def _load(args: argparse.Namespace, device, generating: bool = False):
 
 
 def _open_knn(args: argparse.Namespace, ix):
-    """The datastore of ``--knn`` for the run (None without the flag); ValueError if it was
+    """The datastore of ``--knn`` for the run (None without the flag); ConfigError if it was
     built from another index or other weights."""
     if not args.knn:
         return None
@@ -443,10 +444,10 @@ def _eval(args: argparse.Namespace) -> int:
         device = default_device()
         model, state, _ = _load(args, device)
         if model.cfg.vocab_size != ix.vocab_size:
-            raise ValueError("the run's vocabulary differs from the index's")
+            raise ConfigError("the run's vocabulary differs from the index's")
         other = ix.differs_from(state.get("index") or {})
         if other and not args.allow_other_index:
-            raise ValueError(
+            raise ConfigError(
                 f"{args.index} is not the index the run was trained on ({', '.join(other)} "
                 "differ), so its held-out documents may hold training text; score with the "
                 "training index, or add --allow-other-index for a score that is not held-out"
@@ -462,7 +463,7 @@ def _eval(args: argparse.Namespace) -> int:
         split = bool(held_out_documents(ix, holdout, "validation"))
         lam = best_lambda(scored("validation")) if split else None  # else the oracle's
         scores = scored("test" if split else "all", knn)
-    except ValueError as e:
+    except TeralmError as e:
         return _fail("eval", str(e))
     calibration = knn.calibration if knn else None
     byte_level = ix.manifest["tokenizer"] == "bytes"
@@ -518,7 +519,7 @@ def _build_knn(args: argparse.Namespace) -> int:
     # load, below): beside another busy process on 2 cores, the model's forward took 108 µs a
     # key spinning and 62 µs sleeping, against 34 µs either way on a quiet machine
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from teralm.build_index.knn import KnnBuildConfig, build_knn, format_summary
+    from teralm.train.knn import KnnBuildConfig, build_knn, format_summary
 
     config = KnnBuildConfig(
         run=args.run,
@@ -535,7 +536,7 @@ def _build_knn(args: argparse.Namespace) -> int:
     )
     try:
         result = build_knn(config)
-    except ValueError as e:
+    except TeralmError as e:
         return _fail("build-knn", str(e))
     except KeyboardInterrupt:
         return _fail("build-knn", "interrupted; run the same command again to resume")
@@ -558,7 +559,7 @@ def _sample(args: argparse.Namespace) -> int:
         model, state, _ = _load(args, default_device(), generating=True)
         check_tokenizer(state, ix)
         knn = _open_knn(args, ix)
-    except ValueError as e:
+    except TeralmError as e:
         return _fail("sample", str(e))
     torch.set_num_threads(inference_threads())
     prompt = [int(t) for t in ix.encode(args.prompt)]
@@ -571,7 +572,7 @@ def _sample(args: argparse.Namespace) -> int:
             write(f"--- {label} ---\n{args.prompt}")
             _, finish = complete(engine, prompt, sampling, args.stop, use_index, write)
             write(f"\n({finish})\n\n" if args.stop else "\n\n")
-    except ValueError as e:
+    except TeralmError as e:
         return _fail("sample", str(e))
     finally:
         engine.close()
@@ -588,7 +589,7 @@ def _export(args: argparse.Namespace) -> int:
         return _fail("export-fp8", f"{args.run} is an fp8 export already")
     try:
         model, state, _ = load_model(args.run, torch.device("cpu"), "fp32")
-    except ValueError as e:
+    except TeralmError as e:
         return _fail("export-fp8", str(e))
     out = checkpoint.export_fp8(model, state, args.out)
     size = (out / checkpoint.EXPORT_WEIGHTS).stat().st_size
@@ -621,10 +622,10 @@ def _serve(args: argparse.Namespace) -> int:
         model, state, precision = _load(args, default_device(), generating=True)
         check_tokenizer(state, ix)
         knn = _open_knn(args, ix)
-    except ValueError as e:
+    except TeralmError as e:
         return _fail("serve", str(e))
     torch.set_num_threads(args.threads or inference_threads())
-    ix.longest_match([[0]])  # compile and warm the query kernels before the first request
+    ix.query.longest_match([[0]])  # compile and warm the query kernels before the first request
     engine = Engine(
         model, ix, args.max_batch, args.speculate, args.prefix_cache << 20, knn, args.threads
     )

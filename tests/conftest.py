@@ -37,7 +37,7 @@ def cli_here(*args) -> subprocess.CompletedProcess:
 
 HOLD_LOCK = """
 import sys
-from teralm.index.format import folder_lock
+from teralm.files import folder_lock
 with folder_lock(sys.argv[1], "a test's holder"):
     print("held", flush=True)
     sys.stdin.readline()

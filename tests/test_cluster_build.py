@@ -20,7 +20,8 @@ import pytest
 from conftest import write_jsonl
 from test_cli import run_cli
 
-from teralm.build_index import BuildConfig, BuildError, build, builder, cluster
+from teralm.build_index import BuildConfig, build, builder, cluster
+from teralm.errors import BuildError
 from teralm.index import format as fmt
 
 ray = pytest.importorskip("ray")

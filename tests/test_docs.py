@@ -6,23 +6,27 @@ import importlib
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+DOCS = ["README.md", "ARCHITECTURE.md"]
 
 
-def test_every_repository_path_the_readme_cites_exists():
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_repository_path_the_docs_cite_exists(doc):
     """A backticked path whose first part is one of the repository's top-level entries (a
     module folder, ``tests``, ``benchmarks``, ...) names a file or folder that is there."""
     top = {p.name for p in ROOT.iterdir() if not p.name.startswith(".")}
-    cited = set(re.findall(r"`([A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)+)`", README))
+    cited = set(re.findall(r"`([A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)+)`", (ROOT / doc).read_text()))
     ours = sorted(p for p in cited if p.split("/")[0] in top)
     assert len(ours) >= 5  # the README does cite files
     assert not [p for p in ours if not (ROOT / p).exists()]
 
 
-def test_every_module_and_name_the_readme_cites_exists():
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_module_and_name_the_docs_cite_exists(doc):
     """A backticked ``teralm.module.name`` is a module, or a name inside one."""
-    cited = sorted(set(re.findall(r"`(teralm(?:\.\w+)+)", README)))
+    cited = sorted(set(re.findall(r"`(teralm(?:\.\w+)+)", (ROOT / doc).read_text())))
     assert cited
     missing = []
     for dotted in cited:

@@ -17,7 +17,8 @@ from conftest import folder_held, write_jsonl
 from test_cli import ENV, assert_clean_failure, content_files, run_cli
 
 from teralm.build_index import BuildConfig, build, features
-from teralm.build_index.sources import SourceError
+from teralm.errors import SourceError
+from teralm.files import LOCK
 from teralm.index import format as fmt
 from teralm.index.catalog import Catalog
 
@@ -182,7 +183,8 @@ def test_full_disk_in_a_worker_names_the_file(tmp_path, reference):
 
 DIE_IN_WORKERS = """
 import os, sys
-from teralm.build_index.builder import BuildError, _run_units
+from teralm.build_index.builder import _run_units
+from teralm.errors import BuildError
 if __name__ == "__main__":
     try:
         _run_units(os._exit, [(3,)] * 4, 2, print)
@@ -219,7 +221,7 @@ def test_a_second_build_of_one_out_is_refused_at_once(tmp_path, reference):
     with folder_held(out) as holder:
         refused = run_cli(*cmd[3:])
     assert_clean_failure(refused, out, f"pid {holder}", "in use")
-    assert refused.stderr.count("\n") == 1 and [p.name for p in out.iterdir()] == [fmt.LOCK]
+    assert refused.stderr.count("\n") == 1 and [p.name for p in out.iterdir()] == [LOCK]
     racing = [subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=ENV) for _ in range(2)]
     results = [(p.wait(timeout=300), p.stderr.read()) for p in racing]
     assert any(code == 0 for code, _ in results), results

@@ -14,7 +14,8 @@ import pytest
 from conftest import build_docs, random_documents
 
 from teralm.cli import main
-from teralm.index import Index, IndexDamaged
+from teralm.errors import IndexDamaged
+from teralm.index import Index
 
 TERALM = str(Path(sys.executable).with_name("teralm"))
 ENV = {**os.environ, "TQDM_DISABLE": "1"}
@@ -115,7 +116,7 @@ def test_bucket_table_out_of_order_is_refused(index_dir, capsys):
     set_values(index_dir / "order.buckets", "<u8", 60_000, 1 << 30)
     ix = Index.open(index_dir)
     with pytest.raises(IndexDamaged, match="order.buckets.*verify-index"):
-        ix.longest_match([ix.encode(text)])
+        ix.query.longest_match([ix.encode(text)])
     assert "FAIL order.buckets" in verify_output(index_dir, capsys)
 
 

@@ -20,7 +20,6 @@ from serving import request, serve_in_thread
 
 pytest.importorskip("faiss")
 
-from teralm.build_index import knn as build  # noqa: E402
 from teralm.index.knn import KnnDatastore, import_faiss  # noqa: E402
 from teralm.index.query import OnlineMatcher  # noqa: E402
 from teralm.infer import load  # noqa: E402
@@ -30,6 +29,7 @@ from teralm.infer.mixture import knn_mixed_logp, knn_target_probs, knn_weights  
 from teralm.infer.sampling import Sampling  # noqa: E402
 from teralm.model import ModelConfig  # noqa: E402
 from teralm.model.checkpoint import weights_sha256  # noqa: E402
+from teralm.train import knn as build  # noqa: E402
 from teralm.train.config import RunConfig, TrainConfig  # noqa: E402
 from teralm.train.data import held_out  # noqa: E402
 from teralm.train.evaluate import document_windows, knn_mixture  # noqa: E402

@@ -100,8 +100,8 @@ def test_longest_match_and_distribution_equal_brute_force(corpus):
     ix, rng = corpus
     x, doc_ids = ix.tokens(0, ix.num_tokens), doc_ids_of(ix)
     contexts = random_contexts(rng, x, 40)
-    match = ix.longest_match(contexts)
-    dists = ix.next_token_distribution(contexts)
+    match = ix.query.longest_match(contexts)
+    dists = ix.query.next_token_distribution(contexts)
     for c, context in enumerate(contexts):
         length, count, nexts = brute_longest(x, doc_ids, context)
         assert (match.length[c], match.count[c]) == (length, count), context
@@ -115,7 +115,7 @@ def test_probability_equals_brute_force(corpus):
     x, doc_ids = ix.tokens(0, ix.num_tokens), doc_ids_of(ix)
     contexts = random_contexts(rng, x, 40)
     tokens = [int(t) for t in rng.choice(np.unique(x), size=len(contexts))]
-    got = ix.probability(contexts, tokens)
+    got = ix.query.probability(contexts, tokens)
     for c, (context, w) in enumerate(zip(contexts, tokens)):
         length, count, nexts = brute_longest(x, doc_ids, context)
         hits = len(occurrences(x, doc_ids, list(context[len(context) - length :]) + [w]))
@@ -143,12 +143,12 @@ def test_sharded_equals_unsharded(tmp_path):
     one = build_docs(tmp_path / "one", docs, shard_tokens=1 << 20)
     many = build_docs(tmp_path / "many", docs, shard_tokens=33)
     contexts = random_contexts(rng, one.tokens(0, one.num_tokens), 50)
-    a, b = one.longest_match(contexts), many.longest_match(contexts)
+    a, b = one.query.longest_match(contexts), many.query.longest_match(contexts)
     np.testing.assert_array_equal(a.length, b.length)
     np.testing.assert_array_equal(a.count, b.count)
     for (ta, ca), (tb, cb) in zip(
-        one.next_token_distribution(contexts, top_k=3),
-        many.next_token_distribution(contexts, top_k=3),
+        one.query.next_token_distribution(contexts, top_k=3),
+        many.query.next_token_distribution(contexts, top_k=3),
     ):
         np.testing.assert_array_equal(ta, tb)
         np.testing.assert_array_equal(ca, cb)
@@ -205,8 +205,8 @@ def test_documents_attribution(corpus):
     ix, rng = corpus
     x = ix.tokens(0, ix.num_tokens)
     context = list(x[10:25])
-    hits = ix.documents(context, k=3)
-    length = int(ix.longest_match([context]).length[0])
+    hits = ix.query.documents(context, k=3)
+    length = int(ix.query.longest_match([context]).length[0])
     assert 1 <= len(hits) <= 3 and length > 0
     for hit in hits:
         start, _ = ix.document_range(hit["document"])
@@ -220,27 +220,27 @@ def test_one_lookup_answers_as_the_three_queries(corpus):
     ix, rng = corpus
     x, doc_ids = ix.tokens(0, ix.num_tokens), doc_ids_of(ix)
     for context in random_contexts(rng, x, 20):
-        found = ix.lookup(context, top_k=3, sources=2)
+        found = ix.query.lookup(context, top_k=3, sources=2)
         length, count, nexts = brute_longest(x, doc_ids, context)
         assert (found.length, found.count) == (length, count), context
-        tokens, counts = ix.next_token_distribution([context], top_k=3)[0]
+        tokens, counts = ix.query.next_token_distribution([context], top_k=3)[0]
         assert found.tokens.tolist() == tokens.tolist()
         assert found.counts.tolist() == counts.tolist()
-        assert found.documents == (ix.documents(context, k=2) if length else [])
+        assert found.documents == (ix.query.documents(context, k=2) if length else [])
 
 
 def test_edge_cases(corpus):
     ix, _ = corpus
-    empty = ix.longest_match([[]])
+    empty = ix.query.longest_match([[]])
     assert empty.length[0] == 0 and empty.count[0] == ix.num_tokens
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        ix.longest_match([[300]])
+        ix.query.longest_match([[300]])
     with pytest.raises(ValueError, match="outside the vocabulary"):
         OnlineMatcher(ix).push(-1)
-    unseen = ix.longest_match([[ord("z")]])  # a byte the corpus never holds
+    unseen = ix.query.longest_match([[ord("z")]])  # a byte the corpus never holds
     assert unseen.length[0] == 0
     separator = ix.manifest["separator"]
-    assert ix.longest_match([[ord("a"), separator]]).length[0] == 0
+    assert ix.query.longest_match([[ord("a"), separator]]).length[0] == 0
 
 
 def test_query_cli(corpus):
@@ -263,7 +263,7 @@ def test_query_cli(corpus):
 
 def test_large_ranges_are_sampled_deterministically(corpus):
     ix, _ = corpus
-    exact = dict(zip(*(a.tolist() for a in ix.next_token_distribution([[]])[0])))
+    exact = dict(zip(*(a.tolist() for a in ix.query.next_token_distribution([[]])[0])))
     tokens, counts = ix.query.next_token_distribution([[]], exact_limit=10)[0]
     stride = -(-ix.num_tokens // 10)
     assert all(c % stride == 0 for c in counts) and set(tokens.tolist()) <= set(exact)
@@ -274,9 +274,9 @@ def test_large_ranges_are_sampled_deterministically(corpus):
 def test_one_byte_matches_are_exact_past_max_support(corpus):
     ix, _ = corpus
     context = [ord("a")]
-    exact = ix.next_token_distribution([context])
+    exact = ix.query.next_token_distribution([context])
     table = ix.query.next_token_distribution([context], exact_limit=2)
-    assert ix.longest_match([context]).count[0] > 2
+    assert ix.query.longest_match([context]).count[0] > 2
     for (ta, ca), (tb, cb) in zip(exact, table):
         assert ta.tolist() == tb.tolist() and ca.tolist() == cb.tolist()
 

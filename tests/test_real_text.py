@@ -13,8 +13,8 @@ from conftest import SHARED_DATA, write_jsonl
 
 from teralm.build_index import BuildConfig, build
 from teralm.build_index.layout import Layout
-from teralm.build_index.sources import SourceError
 from teralm.build_index.verify import verify
+from teralm.errors import SourceError
 from teralm.index import Index
 from teralm.index import format as fmt
 

@@ -163,7 +163,7 @@ def test_echo_logprobs_score_the_prompt(served):
     want = []
     for i in range(1, len(prompt)):  # the model mixed with the ∞-gram of the text before i
         p = p_model[i - 1, tokens[0, i]]
-        nxt, counts = ix.next_token_distribution([tokens[0, :i].numpy()])[0]
+        nxt, counts = ix.query.next_token_distribution([tokens[0, :i].numpy()])[0]
         if gate is not None and counts.sum():
             with torch.no_grad():
                 logit = model.gate_logit(gate[0, i - 1], torch.tensor(int(counts.sum())))
@@ -328,7 +328,7 @@ def test_the_index_view_of_a_token_prompt_looks_up_the_tokens_as_given(served):
     body = {"prompt": prompt, "max_tokens": 1, "index": True}
     code, answer = request(port, "POST", "/v1/completions", body)
     assert code == 200, answer
-    match = ix.longest_match([np.array(prompt)])
+    match = ix.query.longest_match([np.array(prompt)])
     assert answer["index"]["longest_match"]["tokens"] == 3
     assert answer["index"]["longest_match"]["length"] == int(match.length[0])
 
@@ -353,7 +353,7 @@ def test_lookup_metrics_and_disconnect(served):
     port, ix = served["port"], served["ix"]
     text = ix.decode(ix.tokens(40, 60))
     code, answer = request(port, "POST", "/v1/lookup", {"text": text, "top_k": 3})
-    match = ix.longest_match([ix.encode(text)])
+    match = ix.query.longest_match([ix.encode(text)])
     assert code == 200 and answer["longest_match"]["length"] == int(match.length[0])
     assert answer["longest_match"]["count"] == int(match.count[0])
     assert answer["sources"] and len(answer["continuations"]) <= 3

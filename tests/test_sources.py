@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from teralm.build_index import sources
-from teralm.build_index.sources import Source, SourceError, resolve_source
+from teralm.build_index.sources import Source, resolve_source
+from teralm.errors import SourceError
 
 EXAMPLES = settings(
     max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]

@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import torch
 
+from teralm.errors import ConfigError
 from teralm.kernels.fp8 import E4M3, quantize_fp8
 
 _BYTE_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
@@ -61,7 +62,7 @@ class SignMessage:
 
     def __init__(self, length: int, block: int):
         if length % block or block % 8:
-            raise ValueError("a 1-bit message holds whole blocks of a multiple of 8 values")
+            raise ConfigError("a 1-bit message holds whole blocks of a multiple of 8 values")
         self.length, self.block = length, block
         self.nbytes = length // 8 + 4 * (length // block)
 
@@ -142,7 +143,7 @@ class DCTTopK:
 
     def __init__(self, chunk: int, k: int):
         if chunk < 1 or k < 1:
-            raise ValueError("the DCT chunk size and top-k must be at least 1")
+            raise ConfigError("the DCT chunk size and top-k must be at least 1")
         self.chunk, self.k = chunk, k
         self._bases: dict[tuple, torch.Tensor] = {}
 

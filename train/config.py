@@ -7,6 +7,7 @@ from pathlib import Path
 
 import tomllib
 
+from teralm.errors import ConfigError
 from teralm.model.config import ModelConfig
 
 SCHEDULES = ("cosine", "wsd")
@@ -103,82 +104,82 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}")
+            raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}")
         if self.comm not in COMMS:
-            raise ValueError(f"comm must be one of {', '.join(COMMS)}, not {self.comm!r}")
+            raise ConfigError(f"comm must be one of {', '.join(COMMS)}, not {self.comm!r}")
         if self.demo_chunk < 1 or self.demo_topk < 1:
-            raise ValueError("demo_chunk and demo_topk must be at least 1")
+            raise ConfigError("demo_chunk and demo_topk must be at least 1")
         if not 0 <= self.demo_beta < 1:
-            raise ValueError("demo_beta must be in [0, 1)")
+            raise ConfigError("demo_beta must be in [0, 1)")
         if self.onebit_warmup < 0 or self.onebit_block < 8 or self.onebit_block % 8:
-            raise ValueError("onebit_warmup must be 0 or more, onebit_block a multiple of 8")
+            raise ConfigError("onebit_warmup must be 0 or more, onebit_block a multiple of 8")
         if self.onebit_target not in ONEBIT_TARGETS:
-            raise ValueError(f"onebit_target must be one of {', '.join(ONEBIT_TARGETS)}")
+            raise ConfigError(f"onebit_target must be one of {', '.join(ONEBIT_TARGETS)}")
         if self.comm == "onebit" and self.onebit_target == "momentum":
             if self.onebit_warmup < 1:
-                raise ValueError(
+                raise ConfigError(
                     "onebit_target momentum freezes AdamW's second moment at the end of the "
                     "warm-up: onebit_warmup must be at least 1"
                 )
             if self.optimizer != "adamw" or self.offload != "none" or self.per_layer_update:
-                raise ValueError(
+                raise ConfigError(
                     "onebit_target momentum is an AdamW of its own: use optimizer adamw, "
                     "offload none and no per-layer updates (or onebit_target gradient)"
                 )
         if self.powersgd_rank < 1 or self.powersgd_warmup < 2:
-            raise ValueError("powersgd_rank must be at least 1 and powersgd_warmup at least 2")
+            raise ConfigError("powersgd_rank must be at least 1 and powersgd_warmup at least 2")
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}")
+            raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}")
         if self.optimizer != "adamw" and self.comm == "demo":
-            raise ValueError(
+            raise ConfigError(
                 f"comm demo is an optimizer of its own; optimizer {self.optimizer} needs another "
                 "comm (allreduce, onebit or powersgd)"
             )
         if self.offload not in OFFLOADS:
-            raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}")
+            raise ConfigError(f"offload must be one of {', '.join(OFFLOADS)}")
         if self.offload != "none" and self.comm == "demo":
-            raise ValueError("comm demo exchanges its momentum on the device: use offload none")
+            raise ConfigError("comm demo exchanges its momentum on the device: use offload none")
         if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
         if self.outer_compress not in OUTER_COMPRESSIONS:
-            raise ValueError(f"outer_compress must be one of {', '.join(OUTER_COMPRESSIONS)}")
+            raise ConfigError(f"outer_compress must be one of {', '.join(OUTER_COMPRESSIONS)}")
         if not 0 <= self.outer_async <= 0.5:
-            raise ValueError("outer_async must be 0 (synchronous rounds) or a scale up to 0.5")
+            raise ConfigError("outer_async must be 0 (synchronous rounds) or a scale up to 0.5")
         if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
-            raise ValueError("outer_lr must be above 0 and outer_momentum in [0, 1)")
+            raise ConfigError("outer_lr must be above 0 and outer_momentum in [0, 1)")
         if min(self.inner_steps, self.replicas, self.min_replicas) < 1:
-            raise ValueError("inner_steps, replicas and min_replicas must be at least 1")
+            raise ConfigError("inner_steps, replicas and min_replicas must be at least 1")
         if self.mode == "diloco":
             if self.comm != "allreduce":
-                raise ValueError(
+                raise ConfigError(
                     "mode diloco exchanges pseudo-gradients (outer_compress), not gradients: "
                     "leave comm at allreduce"
                 )
             if self.batch_size % self.replicas:
-                raise ValueError(
+                raise ConfigError(
                     f"batch_size {self.batch_size} (the global batch) is not a multiple of the "
                     f"{self.replicas} replicas"
                 )
             if self.checkpoint_every % self.inner_steps:
-                raise ValueError(
+                raise ConfigError(
                     f"checkpoint_every {self.checkpoint_every} must be a multiple of inner_steps "
                     f"{self.inner_steps} (checkpoints are taken when the workers agree)"
                 )
         if self.grad_clip < 0:
-            raise ValueError("grad_clip must be 0 (no clipping) or more")
+            raise ConfigError("grad_clip must be 0 (no clipping) or more")
         if self.per_layer_update and (
             self.grad_accum != 1
             or self.grad_clip
             or self.comm != "allreduce"
             or self.offload != "none"
         ):
-            raise ValueError(
+            raise ConfigError(
                 "per_layer_update steps each parameter during the backward, before the whole "
                 "gradient exists: it needs grad_accum 1, grad_clip 0, comm allreduce on one "
                 "process and offload none"
             )
         if self.galore_rank <= 0 or self.galore_gap < 1:
-            raise ValueError("galore_rank must be above 0 and galore_gap at least 1")
+            raise ConfigError("galore_rank must be above 0 and galore_gap at least 1")
         for name in (
             "batch_size",
             "seq_len",
@@ -189,13 +190,13 @@ class TrainConfig:
             "log_every",
         ):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1")
+                raise ConfigError(f"{name} must be at least 1")
         if not 0 <= self.own_loss_weight < float("inf"):
-            raise ValueError("own_loss_weight must be a finite number >= 0")
+            raise ConfigError("own_loss_weight must be a finite number >= 0")
         if not 0 <= self.index_dropout <= 1:
-            raise ValueError("index_dropout must be between 0 and 1")
+            raise ConfigError("index_dropout must be between 0 and 1")
         if self.dropout_features not in DROPOUT_FEATURES:
-            raise ValueError(f"dropout_features must be one of {', '.join(DROPOUT_FEATURES)}")
+            raise ConfigError(f"dropout_features must be one of {', '.join(DROPOUT_FEATURES)}")
 
 
 @dataclass
@@ -216,14 +217,14 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> RunConfig:
-        """Settings from ``{"model": {...}, "train": {...}}``; ValueError for unknown names and
+        """Settings from ``{"model": {...}, "train": {...}}``; ConfigError for unknown names and
         values of the wrong type."""
         check_shape(data)
         names = {f.name for f in fields(TrainConfig)}
         train = data.get("train", {})
         bad = sorted(set(train) - names)
         if bad:
-            raise ValueError(f"unknown train settings: {', '.join(bad)}")
+            raise ConfigError(f"unknown train settings: {', '.join(bad)}")
         model = data.get("model", {})
         check_types("model", ModelConfig, model)
         check_types("train", TrainConfig, train)
@@ -233,13 +234,13 @@ class RunConfig:
 def check_shape(data) -> None:
     """A config is a table of a ``model`` and a ``train`` table."""
     if not isinstance(data, dict):
-        raise ValueError("a config must be a table with [model] and [train] tables")
+        raise ConfigError("a config must be a table with [model] and [train] tables")
     unknown = sorted(set(data) - {"model", "train"})
     if unknown:
-        raise ValueError(f"unknown config sections: {', '.join(unknown)}")
+        raise ConfigError(f"unknown config sections: {', '.join(unknown)}")
     for section in ("model", "train"):
         if not isinstance(data.get(section, {}), dict):
-            raise ValueError(f"[{section}] must be a table of settings")
+            raise ConfigError(f"[{section}] must be a table of settings")
 
 
 def check_types(section: str, cls: type, values: dict) -> None:
@@ -250,7 +251,7 @@ def check_types(section: str, cls: type, values: dict) -> None:
         value, kind = values[f.name], type(f.default)
         allowed = (int, float) if kind is float else kind
         if not isinstance(value, allowed) or (kind is not bool and isinstance(value, bool)):
-            raise ValueError(f"{section}.{f.name} must be {kind.__name__}, not {value!r}")
+            raise ConfigError(f"{section}.{f.name} must be {kind.__name__}, not {value!r}")
 
 
 PRESETS: dict[str, dict] = {
@@ -326,9 +327,9 @@ def load_config(preset: str | None, path: Path | None) -> RunConfig:
         try:
             data = tomllib.loads(Path(path).read_text())
         except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ValueError(f"cannot read config {path}: {e}") from None
+            raise ConfigError(f"cannot read config {path}: {e}") from None
         return RunConfig.from_dict(data)
     name = preset or "tiny"
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+        raise ConfigError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
     return RunConfig.from_dict(PRESETS[name])

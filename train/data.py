@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from teralm.errors import ConfigError
 from teralm.index import Index
 from teralm.index.query import EXACT_LIMIT
 from teralm.kernels.fragment import fragment_features
@@ -139,7 +140,7 @@ class FragmentSampler:
         self.spans = spans[room > 0]
         self.cumulative = np.cumsum(room[room > 0])
         if len(self.spans) == 0:
-            raise ValueError(
+            raise ConfigError(
                 f"no training text of {seq_len + 1} tokens in a row: the index is too small "
                 "for this seq_len (or every document is held out)"
             )

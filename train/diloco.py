@@ -48,6 +48,7 @@ import torch
 from torch.distributed import TCPStore
 from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions, ReduceOp
 
+from teralm.errors import ConfigError
 from teralm.model import checkpoint
 from teralm.train.compression import DCTMessage, DCTTopK, ShardedSignMean
 from teralm.train.config import TrainConfig
@@ -57,13 +58,13 @@ HEADER_BYTES = 4  # a message's first bytes: the sender's weight (fp32)
 
 
 def _torchft():
-    """torchft's Manager and gloo process group; ValueError when it is not installed."""
+    """torchft's Manager and gloo process group; ConfigError when it is not installed."""
     os.environ.setdefault("RUST_LOG", "error")  # its Rust side's notes of every quorum
     try:
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
     except ImportError:
-        raise ValueError(
+        raise ConfigError(
             "mode diloco runs on torchft: pip install 'teralm[ft]' (or pip install torchft)"
         ) from None
     logging.getLogger("torchft").setLevel(logging.ERROR)  # its per-step notes are not news
@@ -343,7 +344,7 @@ class Outer:
                 checkpoint_transport=SafetensorsTransport(host, timeout),
             )  # fmt: skip
         except RuntimeError as e:
-            raise ValueError(f"cannot reach the lighthouse at {lighthouse} ({e})") from None
+            raise ConfigError(f"cannot reach the lighthouse at {lighthouse} ({e})") from None
         self.exchange = make_exchange(cfg, self.manager, self.pg, self.traffic)
         self.lighthouse, self.timeout = lighthouse, timeout
 
@@ -408,7 +409,7 @@ class Outer:
         try:
             self.manager.start_quorum()
         except Exception as e:  # the Lighthouse gone, or too few workers for too long
-            raise ValueError(
+            raise ConfigError(
                 f"no quorum from the lighthouse at {self.lighthouse} within "
                 f"{self.timeout.total_seconds():.0f} s ({type(e).__name__}: {e}); is it "
                 "running, and are at least min_replicas workers up?"
@@ -595,7 +596,7 @@ def lighthouse_server(bind: str, min_replicas: int, join_timeout_s: float = 10.0
     try:
         from torchft._torchft import LighthouseServer
     except ImportError:
-        raise ValueError(
+        raise ConfigError(
             "the lighthouse comes with torchft: pip install 'teralm[ft]' (or pip install torchft)"
         ) from None
     server = LighthouseServer(

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel
 
+from teralm.errors import ConfigError
 from teralm.train.compression import ShardedSignMean
 from teralm.train.config import COMMS, TrainConfig
 
@@ -402,7 +403,7 @@ class Decoupled(Exchange):
 def make_exchange(cfg: TrainConfig, world: World, optimizer: torch.optim.Optimizer) -> Exchange:
     """The gradient exchange for ``cfg.comm``."""
     if cfg.comm not in COMMS:
-        raise ValueError(f"unknown comm {cfg.comm!r}; choose from {', '.join(COMMS)}")
+        raise ConfigError(f"unknown comm {cfg.comm!r}; choose from {', '.join(COMMS)}")
     if cfg.comm == "onebit" and cfg.onebit_target == "momentum":
         return OneBitMomentum(world, optimizer)
     if cfg.comm == "onebit":

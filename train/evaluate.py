@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from teralm.errors import ConfigError
 from teralm.index import Index
 from teralm.index.knn import KnnDatastore
 from teralm.infer.mixture import knn_weights
@@ -84,7 +85,7 @@ def score(
     targets (``document_windows``); with ``knn``, also the neighbours of each position's
     hidden state."""
     if not windows:
-        raise ValueError("no held-out text to score: the index has no held-out documents")
+        raise ConfigError("no held-out text to score: the index has no held-out documents")
     cfg = model.cfg
     names = ("served", "own", "total", "hits", "match_len")
     columns: dict[str, list[np.ndarray]] = {name: [] for name in names}
@@ -174,7 +175,7 @@ def summarize(
     oracle = _lowest_loss(mixes)
     best = oracle if lam is None else float(lam)
     if best not in mixes:
-        raise ValueError(f"λ {best} is not one of the grid's ({', '.join(map(str, LAMBDAS))})")
+        raise ConfigError(f"λ {best} is not one of the grid's ({', '.join(map(str, LAMBDAS))})")
     result = {
         "metric": "bpb" if byte_level else "ppl",
         "model": metric(p_model),
@@ -228,7 +229,7 @@ def calibrate_knn(scores: Scores) -> dict:
     distances, hits = scores.knn_distances, scores.knn_hits
     nearest = distances[:, 0][np.isfinite(distances[:, 0])]
     if not len(nearest):
-        raise ValueError("no scored position has a neighbour in the datastore")
+        raise ConfigError("no scored position has a neighbour in the datastore")
     scale = max(float(np.median(nearest)), 1e-6)
     found = np.isfinite(distances).any(axis=1)
     best: dict[str, tuple[float, dict]] = {}

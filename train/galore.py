@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from teralm.errors import ConfigError
 from teralm.kernels.fp8 import E4M3, FP8_MAX
 
 BLOCK = 256  # values sharing one scale in an 8-bit moment
@@ -76,7 +77,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
         self.eight_bit = eight_bit
         for group in self.param_groups:
             if "rank" in group and (group["rank"] < 1 or group["gap"] < 1):
-                raise ValueError("the GaLore rank and gap must be at least 1")
+                raise ConfigError("the GaLore rank and gap must be at least 1")
 
     def _moment(self, state: dict, name: str, like: torch.Tensor) -> torch.Tensor:
         if name not in state:

@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from teralm.errors import ConfigError
+from teralm.files import write_atomic
 from teralm.index import Index
-from teralm.index import format as fmt
 from teralm.infer.precision import PrecisionChoice, autocast, choose_precision, default_device
 from teralm.model import ModelConfig, Transformer, checkpoint
 from teralm.model.config import AUTO, PRECISIONS
@@ -95,17 +96,17 @@ def check_resumable(saved: dict, config: RunConfig, identity: dict) -> None:
             for k, v in old.model.to_dict().items()
             if config.model.to_dict()[k] != v
         ]
-        raise ValueError("the run was trained with another model config (" + ", ".join(diff) + ")")
+        raise ConfigError("the run was trained with another model config (" + ", ".join(diff) + ")")
     new_train = asdict(config.train)
     changed = [k for k, v in asdict(old.train).items() if new_train[k] != v]
     if set(changed) - RESUMABLE_CHANGES:
-        raise ValueError(
+        raise ConfigError(
             "the run was trained with other settings: "
             + ", ".join(sorted(set(changed) - RESUMABLE_CHANGES))
         )
     for key in ("tokenizer", "tokenizer_sha256", "vocab_size", "num_tokens", "tokens_sha256"):
         if saved["index"].get(key, identity[key]) != identity[key]:  # older runs lack some
-            raise ValueError(f"the run was trained on another index ({key} differs)")
+            raise ConfigError(f"the run was trained on another index ({key} differs)")
 
 
 def _step_loss(micro_losses: list[torch.Tensor]) -> float:
@@ -139,23 +140,23 @@ def _truncate_metrics(path: Path, step: int) -> None:
             continue
         line_step = _metric_step(line)
         if line_step is None:
-            raise ValueError(
+            raise ConfigError(
                 f"{path} line {number} is not a metrics record; delete that line and resume"
             )
         if line_step <= step:
             kept.append(line + "\n")
-    fmt.write_atomic(path, "".join(kept).encode())
+    write_atomic(path, "".join(kept).encode())
 
 
 def saved_config(run: Path) -> RunConfig:
-    """The config a run was started with (``RUN/config.json``); ValueError naming the file."""
+    """The config a run was started with (``RUN/config.json``); ConfigError naming the file."""
     path = run / RUN_CONFIG
     advice = "pass --preset or --config with the run's settings to resume"
     record = checkpoint.read_json(path, advice)
     try:
         return RunConfig.from_saved(record.get("config"))
     except ValueError as e:
-        raise ValueError(f"{path} is not a teralm run config ({e}); {advice}") from None
+        raise ConfigError(f"{path} is not a teralm run config ({e}); {advice}") from None
 
 
 def holds_run(run: Path) -> bool:
@@ -174,20 +175,20 @@ def open_run(run: Path, resume: bool) -> Path | None:
 
     A folder that holds anything but a run is refused, so no file of it is overwritten."""
     if run.exists() and not run.is_dir():
-        raise ValueError(f"--out {run} is a file, not a folder; choose another --out")
+        raise ConfigError(f"--out {run} is a file, not a folder; choose another --out")
     if (
         run.exists()
         and any(not p.name.startswith(checkpoint.LOCK) for p in run.iterdir())
         and not holds_run(run)
     ):
-        raise ValueError(
+        raise ConfigError(
             f"--out {run} is not empty and holds no teralm run; choose another --out "
             "(a new or empty folder)"
         )
     run.mkdir(parents=True, exist_ok=True)
     folder = checkpoint.latest(run)
     if folder is not None and not resume:
-        raise ValueError(
+        raise ConfigError(
             f"{run} already holds a run: pass --resume to continue it, or another --out"
         )
     return folder
@@ -207,12 +208,12 @@ def train(
     (``mode = "diloco"``, see teralm.train.diloco)."""
     device = device or default_device()
     if (config.train.mode == "diloco") != (worker is not None):
-        raise ValueError(
+        raise ConfigError(
             "mode diloco runs as a worker that a lighthouse coordinates (--lighthouse auto, or "
             "its address); --lighthouse belongs to mode diloco"
         )
     if worker is not None and (problem := worker_env_problem()):
-        raise ValueError(problem)
+        raise ConfigError(problem)
     world = join_world(device.type, group_alone=config.train.comm == "powersgd")
     try:
         if device.type == "cuda" and world.size > 1:
@@ -245,28 +246,28 @@ def _open_run_everywhere(
         failed = torch.tensor([error is not None], dtype=torch.int32, device=world.device)
         dist.broadcast(failed, src=0)
         if failed.item() and error is None:
-            raise ValueError("the main process (rank 0) refused the run folder: see its error")
+            raise ConfigError("the main process (rank 0) refused the run folder: see its error")
     if error is not None:
         raise error
     return checkpoint.latest(run) if resume else None
 
 
 def _check_world(cfg: TrainConfig, world: World, state: dict | None) -> None:
-    """ValueError unless the processes divide the global batch and (resuming from ``state``)
+    """ConfigError unless the processes divide the global batch and (resuming from ``state``)
     are as many as the run was trained on."""
     if cfg.batch_size % world.size:
-        raise ValueError(
+        raise ConfigError(
             f"batch_size {cfg.batch_size} (the global batch) is not a multiple of the "
             f"{world.size} processes; choose a batch_size that {world.size} divides"
         )
     if cfg.per_layer_update and world.size > 1:
-        raise ValueError(
+        raise ConfigError(
             "per_layer_update steps before the processes could exchange gradients: "
             "train it on one process"
         )
     saved = (state or {}).get("world_size", 1)
     if state is not None and saved != world.size:
-        raise ValueError(
+        raise ConfigError(
             f"the run was trained on {saved} processes, and resuming on {world.size} is not "
             f"supported; resume it with torchrun --nproc-per-node {saved} (in all)"
         )
@@ -418,7 +419,7 @@ def _train(
     )
     if writes():  # the same file from every DiLoCo worker, written whole
         record = {"config": config.to_dict(), "index": identity, "precision": precision.to_dict()}
-        fmt.write_atomic(run / RUN_CONFIG, json.dumps(record, indent=1).encode())
+        write_atomic(run / RUN_CONFIG, json.dumps(record, indent=1).encode())
     if progress:
         print(f"precision {precision.precision}: {precision.reason}", file=sys.stderr)
         if world.size > 1:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from teralm.errors import ConfigError
 from teralm.train.compression import DCTMessage, DCTTopK
 from teralm.train.config import TrainConfig
 from teralm.train.distributed import OneBitMean, Traffic, World, all_gather
@@ -111,7 +112,7 @@ class OneBitAdam(torch.optim.Optimizer):
         eps: float = 1e-8,
     ):  # fmt: skip
         if warmup < 1:
-            raise ValueError("1-bit Adam needs a warm-up of at least one step")
+            raise ConfigError("1-bit Adam needs a warm-up of at least one step")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
         self.warmup, self.mean, self.traffic = warmup, mean, mean.traffic
 
@@ -164,7 +165,7 @@ class DeMo(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float, beta: float, compression: DCTTopK, world: World):
         if not 0 <= beta < 1:
-            raise ValueError("the DeMo momentum beta must be in [0, 1)")
+            raise ConfigError("the DeMo momentum beta must be in [0, 1)")
         super().__init__(params, {"lr": lr, "beta": beta, "weight_decay": 0.0})
         self.compression, self.world, self.traffic = compression, world, Traffic()
         self.message: DCTMessage | None = None

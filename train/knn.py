@@ -35,7 +35,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from teralm.build_index.builder import format_bytes
+from teralm.errors import ConfigError
+from teralm.files import folder_lock, format_bytes, fsync_path, sha256_file, write_atomic
 from teralm.index import Index
 from teralm.index import format as fmt
 from teralm.index.knn import (
@@ -178,15 +179,15 @@ def _write_index(faiss, index, path: Path) -> None:
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     try:
         faiss.write_index(index, str(tmp))
-        fmt.fsync_path(tmp)
+        fsync_path(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    fmt.fsync_path(path.parent)
+    fsync_path(path.parent)
 
 
 def _write_manifest(out: Path, manifest: dict) -> None:
-    fmt.write_atomic(out / MANIFEST, json.dumps(manifest, indent=1).encode())
+    write_atomic(out / MANIFEST, json.dumps(manifest, indent=1).encode())
 
 
 def _resumed_precision(out: Path) -> str | None:
@@ -199,7 +200,7 @@ def _resumed_precision(out: Path) -> str | None:
 
 def _start(config: KnnBuildConfig, settings: dict) -> dict:
     """The manifest to continue: a new one, or the folder's own when it was built with the
-    same settings; a ValueError when it holds another datastore (unless ``force``)."""
+    same settings; a ConfigError when it holds another datastore (unless ``force``)."""
     out = config.out
     if (out / MANIFEST).exists():
         try:
@@ -212,7 +213,7 @@ def _start(config: KnnBuildConfig, settings: dict) -> dict:
         if not different:
             return m
         if not config.force:
-            raise ValueError(
+            raise ConfigError(
                 f"{out} holds a kNN datastore built with other settings ({', '.join(different)}); "
                 "choose another --out, or --force to replace it"
             )
@@ -224,7 +225,7 @@ def _start(config: KnnBuildConfig, settings: dict) -> dict:
 
 
 def build_knn(config: KnnBuildConfig) -> KnnBuildResult:
-    """Build (or resume) the datastore; ValueError with a user message when it cannot (a
+    """Build (or resume) the datastore; a TeralmError with a user message when it cannot (a
     FolderBusy at once when another build holds ``out``)."""
     out = config.out
     if (
@@ -233,9 +234,9 @@ def build_knn(config: KnnBuildConfig) -> KnnBuildResult:
         and fmt.folder_contents(out)
         and not config.force
     ):
-        raise ValueError(f"{out} exists and is not a kNN datastore; choose another --out")
+        raise ConfigError(f"{out} exists and is not a kNN datastore; choose another --out")
     out.mkdir(parents=True, exist_ok=True)
-    with fmt.folder_lock(out, "build-knn"):
+    with folder_lock(out, "build-knn"):
         return _build_knn(config)
 
 
@@ -250,7 +251,7 @@ def _build_knn(config: KnnBuildConfig) -> KnnBuildResult:
     model, state, choice = load_model(config.run, device, precision)
     check_tokenizer(state, ix)
     if not state.get("index") or ix.differs_from(state["index"]):
-        raise ValueError(f"the run was trained on another index than {config.index}")
+        raise ConfigError(f"the run was trained on another index than {config.index}")
     holdout = state["config"]["train"]["holdout_every"]
     seq_len, dim = model.cfg.max_seq_len, model.cfg.d_model
     shards = -(-ix.num_tokens // config.shard_tokens)
@@ -421,7 +422,7 @@ def _build_shard(faiss, config, writer: KeyWriter, ix: Index, shard: int, docs, 
     record = {"shard": shard, "keys": count, "file": path.name, "bytes": 0, "sha256": None}
     if count:
         _write_index(faiss, index, path)
-        record.update(bytes=path.stat().st_size, sha256=fmt.sha256_file(path))
+        record.update(bytes=path.stat().st_size, sha256=sha256_file(path))
     return record
 
 
@@ -438,7 +439,7 @@ def _merge_shards(faiss, out: Path, shards: list[dict]) -> dict:
         merge_ondisk(
             index, [str(out / s["file"]) for s in shards if s["keys"]], str(data.resolve())
         )
-    fmt.fsync_path(data)
+    fsync_path(data)
     # the index names its list file: by its name alone (readers look beside the index), so
     # that the folder can move and its files do not depend on where it was built
     faiss.downcast_InvertedLists(faiss.extract_index_ivf(index).invlists).filename = MERGED_DATA
@@ -447,17 +448,17 @@ def _merge_shards(faiss, out: Path, shards: list[dict]) -> dict:
         "file": MERGED,
         "data": MERGED_DATA,
         "bytes": (out / MERGED).stat().st_size + data.stat().st_size,
-        "sha256": fmt.sha256_file(data),
-        "index_sha256": fmt.sha256_file(out / MERGED),
+        "sha256": sha256_file(data),
+        "index_sha256": sha256_file(out / MERGED),
     }
 
 
 def validation_windows(ix: Index, holdout_every: int, seq_len: int, tokens: int) -> list:
-    """The windows the calibration scores; a ValueError when there are none."""
+    """The windows the calibration scores; a ConfigError when there are none."""
     docs = held_out_documents(ix, holdout_every, "validation")
     windows = list(document_windows(ix, docs, seq_len, tokens))
     if not windows:
-        raise ValueError(
+        raise ConfigError(
             "no validation text to calibrate the kNN mixture on: the index needs at least two "
             "held-out documents (ids that are multiples of the run's holdout_every)"
         )
