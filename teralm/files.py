@@ -136,21 +136,6 @@ def _holder(fd: int, wait_s: float = 1.0) -> str:
         time.sleep(0.02)
 
 
-MANIFEST_FIELDS = {
-    "tokenizer": str,
-    "vocab_size": int,
-    "token_dtype": str,
-    "max_match": int,
-    "separator": int,
-    "context_overlap": int,
-    "num_tokens": int,
-    "num_documents": int,
-    "shard_tokens": int,
-    "shards": list,
-    "order": dict,
-}
-
-
 def read_manifest_file(path: Path, kind: str, version: int, missing: str, rebuild: str) -> dict:
     """The JSON object in ``path`` whose ``format`` is ``kind`` and ``version`` is ``version``:
     ConfigError with ``missing`` when there is no such file, or with ``rebuild`` when it is of
