@@ -116,6 +116,8 @@ def bench_infini_gram(jsonl: Path, out: Path, workers: int) -> dict:
         str(hard),
     ]
     run = run_measured(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if run["returncode"]:  # e.g. transformers missing: pip install -e '.[bench]'
+        raise SystemExit(f"infini-gram's indexer failed:\n{run['output'][-2000:]}")
     files = {p.name: p.stat().st_size for p in out.iterdir()} if out.exists() else {}
     tokens = files.get("tokenized.0", 0)
     by_kind = {

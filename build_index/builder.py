@@ -288,35 +288,14 @@ def _check_flags(config: BuildConfig) -> None:
 
 
 def _build_passes(config, source, kind, vocab, catalog, params) -> BuildResult:
-    out, progress = config.out, config.progress
     stats = [PassStats(n) for n in ("tokenize", "sort", "features", "finalize")]
-
     with measure(stats[0]):
-        if catalog.get("p1/done") is None:
-            if kind == "bytes":
-                tokenizer = ByteTokenizer()
-            elif (out / fmt.TOKENIZER).exists():
-                tokenizer = load_tokenizer(out, kind)
-            else:
-                tokenizer = tokenize.train_bpe(source, vocab, out)
-            tokenize.tokenize_pass(
-                source,
-                tokenizer,
-                catalog,
-                out,
-                config.shard_tokens,
-                progress,
-                _run_units,
-                config.workers,
-            )
-            summary = tokenize.finish_tokenize(catalog, out, tokenizer)
-            summary.update(vocab_size=tokenizer.vocab_size, token_dtype=tokenizer.dtype.str)
-            catalog.put({"p1/done": summary})
-        else:
-            stats[0].skipped = True
+        stats[0].skipped = catalog.get("p1/done") is not None
+        if not stats[0].skipped:
+            _tokenize_pass(config, source, kind, vocab, catalog)
     p1 = catalog.get("p1/done")
     layout = Layout(
-        str(out),
+        str(config.out),
         config.shard_tokens,
         tuple(p1["sizes"]),
         p1["token_dtype"],
@@ -324,42 +303,68 @@ def _build_passes(config, source, kind, vocab, catalog, params) -> BuildResult:
         p1["separator"],
         config.max_match,
     )
-
     if layout.num_shards > 1 << 16:
         raise BuildError(
             f"{layout.num_shards:,} shards are more than 65,536; give a larger --shard-tokens"
         )
     with measure(stats[1]):
-        todo = [
-            (layout, k)
-            for k in range(layout.num_shards)
-            if catalog.get(unit_key("p2/shard", k)) is None
-        ]
-        stats[1].skipped = not todo
-        with tqdm(
-            total=layout.num_shards,
-            initial=layout.num_shards - len(todo),
-            unit="shard",
-            desc="pass 2/4 sort",
-            disable=not progress,
-        ) as bar:
-
-            def sorted_done(result):
-                k, seconds, written = result
-                prefix.flush_shard(layout, k)
-                catalog.put({unit_key("p2/shard", k): {"bytes": written}})
-                bar.update()
-
-            _run_units(prefix.sort_one_shard, todo, _sort_workers(layout, config), sorted_done)
-
+        stats[1].skipped = not _sort_pass(layout, catalog, config)
     with measure(stats[2]):
         stats[2].skipped = catalog.get("p3/done") is not None
         if not stats[2].skipped:
             _features_pass(layout, catalog, config)
-
     with measure(stats[3]):
         manifest = _finalize(layout, catalog, config, params, stats)
     return BuildResult(manifest, stats)
+
+
+def _tokenize_pass(config: BuildConfig, source, kind: str, vocab: int, catalog: Catalog) -> None:
+    """Pass 1: the tokenizer (trained first for BPE), the token shards and the documents."""
+    out = config.out
+    if kind == "bytes":
+        tokenizer = ByteTokenizer()
+    elif (out / fmt.TOKENIZER).exists():
+        tokenizer = load_tokenizer(out, kind)
+    else:
+        tokenizer = tokenize.train_bpe(source, vocab, out)
+    tokenize.tokenize_pass(
+        source,
+        tokenizer,
+        catalog,
+        out,
+        config.shard_tokens,
+        config.progress,
+        _run_units,
+        config.workers,
+    )
+    summary = tokenize.finish_tokenize(catalog, out, tokenizer)
+    summary.update(vocab_size=tokenizer.vocab_size, token_dtype=tokenizer.dtype.str)
+    catalog.put({"p1/done": summary})
+
+
+def _sort_pass(layout: Layout, catalog: Catalog, config: BuildConfig) -> bool:
+    """Pass 2: sort the shards not sorted yet; whether there were any."""
+    todo = [
+        (layout, k)
+        for k in range(layout.num_shards)
+        if catalog.get(unit_key("p2/shard", k)) is None
+    ]
+    with tqdm(
+        total=layout.num_shards,
+        initial=layout.num_shards - len(todo),
+        unit="shard",
+        desc="pass 2/4 sort",
+        disable=not config.progress,
+    ) as bar:
+
+        def sorted_done(result):
+            k, seconds, written = result
+            prefix.flush_shard(layout, k)
+            catalog.put({unit_key("p2/shard", k): {"bytes": written}})
+            bar.update()
+
+        _run_units(prefix.sort_one_shard, todo, _sort_workers(layout, config), sorted_done)
+    return bool(todo)
 
 
 def _features_pass(layout: Layout, catalog: Catalog, config: BuildConfig) -> None:
