@@ -473,14 +473,20 @@ def _eval(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
+    _print_eval(result, holdout, split, other, model.mixture_gate is not None, knn is not None)
+    return 0
+
+
+def _print_eval(result: dict, holdout: int, split: bool, other, mixed: bool, knn: bool) -> None:
+    """``teralm eval``'s table: each system's score, then the scores by match and count band."""
     unit, which = result["metric"], "the test half of the " if split else ""
     print(
         f"{'held-out' if not other else 'NOT held-out (another index than the training one)'} "
         f"{unit} on {result['tokens']:,} tokens ({which}documents with id % {holdout} == 0)"
     )
-    served = "model" if model.mixture_gate is None else "model + ∞-gram as served"
+    served = "model + ∞-gram as served" if mixed else "model"
     rows = [(served, result["model"])]
-    if model.mixture_gate is not None:
+    if mixed:
         rows.append(("model alone (no ∞-gram mixture)", result["model_alone"]))
     rows += [
         ("∞-gram alone", result["infgram"]),
@@ -495,7 +501,7 @@ def _eval(args: argparse.Namespace) -> int:
     ]
     if knn:
         rows.append((f"{served} + kNN", result["model_knn"]))
-        if model.mixture_gate is not None:
+        if mixed:
             rows.append(("model alone + kNN", result["model_alone_knn"]))
     for label, value in rows:
         print(f"  {label:<40} {value:.4f}")
@@ -509,7 +515,6 @@ def _eval(args: argparse.Namespace) -> int:
                 f"  {what} {group['range']:>7} ({group['share']:6.1%} of tokens)  "
                 f"{group['model']:.4f}  {group['model_alone']:.4f}  {group['interpolated']:.4f}"
             )
-    return 0
 
 
 def _build_knn(args: argparse.Namespace) -> int:

@@ -105,6 +105,13 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}")
+        self._check_exchange()
+        self._check_optimizer()
+        self._check_diloco()
+        self._check_steps()
+
+    def _check_exchange(self) -> None:
+        """The gradient exchange's settings (comm, DeMo, 1-bit, PowerSGD)."""
         if self.comm not in COMMS:
             raise ConfigError(f"comm must be one of {', '.join(COMMS)}, not {self.comm!r}")
         if self.demo_chunk < 1 or self.demo_topk < 1:
@@ -128,6 +135,9 @@ class TrainConfig:
                 )
         if self.powersgd_rank < 1 or self.powersgd_warmup < 2:
             raise ConfigError("powersgd_rank must be at least 1 and powersgd_warmup at least 2")
+
+    def _check_optimizer(self) -> None:
+        """The optimizer and where its state lives, against the exchange."""
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}")
         if self.optimizer != "adamw" and self.comm == "demo":
@@ -139,6 +149,9 @@ class TrainConfig:
             raise ConfigError(f"offload must be one of {', '.join(OFFLOADS)}")
         if self.offload != "none" and self.comm == "demo":
             raise ConfigError("comm demo exchanges its momentum on the device: use offload none")
+
+    def _check_diloco(self) -> None:
+        """The mode, and DiLoCo's outer loop."""
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
         if self.outer_compress not in OUTER_COMPRESSIONS:
@@ -165,6 +178,9 @@ class TrainConfig:
                     f"checkpoint_every {self.checkpoint_every} must be a multiple of inner_steps "
                     f"{self.inner_steps} (checkpoints are taken when the workers agree)"
                 )
+
+    def _check_steps(self) -> None:
+        """The step itself: clipping, per-layer updates, GaLore, sizes, index dropout."""
         if self.grad_clip < 0:
             raise ConfigError("grad_clip must be 0 (no clipping) or more")
         if self.per_layer_update and (

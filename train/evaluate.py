@@ -192,24 +192,33 @@ def summarize(
         ("by_match", scores.match_len, MATCH_GROUPS),
         ("by_count", scores.total, COUNT_GROUPS),
     ):
-        result[name] = []
-        for low, high in groups:
-            at = (values >= low) & (values <= (np.inf if high is None else high))
-            if at.any():
-                result[name].append(
-                    {
-                        "range": f"{low}+" if high is None else f"{low}-{high}",
-                        "share": float(at.mean()),
-                        "model": metric(p_model[at]),
-                        "model_alone": metric(np.exp(scores.own_logp[at])),
-                        "interpolated": metric(mixes[best][at]),
-                    }
-                )
+        result[name] = _by_band(
+            values, groups, metric, p_model, np.exp(scores.own_logp), mixes[best]
+        )
     if knn is not None and scores.knn_distances is not None:
         for base, logp in (("model", scores.model_logp), ("model_alone", scores.own_logp)):
             p = knn_mixture(logp, scores.knn_distances, scores.knn_hits, **knn[base])
             result[f"{base}_knn"] = metric(p)
     return result
+
+
+def _by_band(values, groups, metric, p_model, p_own, p_mixed) -> list[dict]:
+    """``metric`` of the model as served, alone and interpolated over the tokens whose
+    ``values`` lie in each ``(low, high)`` of ``groups`` (high None: no bound), with their share."""
+    bands = []
+    for low, high in groups:
+        at = (values >= low) & (values <= (np.inf if high is None else high))
+        if at.any():
+            bands.append(
+                {
+                    "range": f"{low}+" if high is None else f"{low}-{high}",
+                    "share": float(at.mean()),
+                    "model": metric(p_model[at]),
+                    "model_alone": metric(p_own[at]),
+                    "interpolated": metric(p_mixed[at]),
+                }
+            )
+    return bands
 
 
 def knn_mixture(

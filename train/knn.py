@@ -274,17 +274,7 @@ def _build_knn(config: KnnBuildConfig) -> KnnBuildResult:
     windows = list(document_windows(ix, train_docs, seq_len))
     print(plan(m, num_keys, len(train_docs), _seconds_per_key(writer, windows)), flush=True)
     if not (config.out / TRAINED).exists():
-        index = faiss.index_factory(dim, _with_ids(m["factory"]))
-        if not index.is_trained:
-            size = training_size(m["factory"], num_keys)
-            with tqdm(
-                total=size, desc="training keys", unit="key", unit_scale=True,
-                disable=not config.progress,
-            ) as bar:  # fmt: skip
-                keys = training_keys(writer, windows, size, bar)
-            with _stage("train faiss", config.progress):
-                _train(faiss, index, keys)
-        _write_index(faiss, index, config.out / TRAINED)
+        _train_index(faiss, config, m, writer, windows, num_keys)
     done = {s["shard"] for s in m["shards"]}
     bar = tqdm(
         total=num_keys, desc="keys", unit="key", unit_scale=True, disable=not config.progress
@@ -296,6 +286,29 @@ def _build_knn(config: KnnBuildConfig) -> KnnBuildResult:
         m["shards"].append(_build_shard(faiss, config, writer, ix, shard, docs, bar))
         _write_manifest(config.out, m)
     bar.close()
+    _finish(faiss, config, m, ix, model, device)
+    return KnnBuildResult(m, time.perf_counter() - began, len(built))
+
+
+def _train_index(faiss, config: KnnBuildConfig, m: dict, writer, windows, num_keys: int) -> None:
+    """The empty faiss index of ``m["factory"]``, trained on a sample of the keys (when its
+    factory needs training), written to ``TRAINED``."""
+    index = faiss.index_factory(m["dim"], _with_ids(m["factory"]))
+    if not index.is_trained:
+        size = training_size(m["factory"], num_keys)
+        with tqdm(
+            total=size, desc="training keys", unit="key", unit_scale=True,
+            disable=not config.progress,
+        ) as bar:  # fmt: skip
+            keys = training_keys(writer, windows, size, bar)
+        with _stage("train faiss", config.progress):
+            _train(faiss, index, keys)
+    _write_index(faiss, index, config.out / TRAINED)
+
+
+def _finish(faiss, config: KnnBuildConfig, m: dict, ix, model, device) -> None:
+    """Merge the shards of an IVF datastore into one, then calibrate the mixture (again when
+    ``k`` or ``nprobe`` changed) and mark the datastore complete."""
     if "IVF" in m["factory"] and not m.get("merged"):
         with _stage("merge shards", config.progress):
             m["merged"] = _merge_shards(faiss, config.out, m["shards"])
@@ -310,7 +323,6 @@ def _build_knn(config: KnnBuildConfig) -> KnnBuildResult:
         m["calibration"] = calibrate(config, m, ix, model, device)
         m["complete"] = True
         _write_manifest(config.out, m)
-    return KnnBuildResult(m, time.perf_counter() - began, len(built))
 
 
 def training_keys(writer: KeyWriter, windows: list, n: int, bar=None) -> np.ndarray:
