@@ -25,7 +25,24 @@ from teralm.train.config import (
 
 
 def add_parsers(sub) -> None:
-    t = sub.add_parser("train", help="train a model with index lookup")
+    """The model side's commands, on the ``teralm`` parser's subcommands."""
+    train = sub.add_parser("train", help="train a model with index lookup")
+    _train_options(train)
+    _exchange_options(train)
+    _diloco_options(train.add_argument_group(
+        "DiLoCo (--mode diloco): workers that train apart and meet seldom"
+    ))  # fmt: skip
+    train.add_argument("--quiet", action="store_true")
+    _lighthouse_parser(sub)
+    _eval_parser(sub)
+    _build_knn_parser(sub)
+    _sample_parser(sub)
+    _serve_parser(sub)
+    _export_parser(sub)
+
+
+def _train_options(t: argparse.ArgumentParser) -> None:
+    """``teralm train``'s run, data, model and schedule flags."""
     t.add_argument("--index", type=Path, required=True, help="index folder (build-index)")
     t.add_argument("--out", type=Path, required=True, help="run folder")
     add_index_memory(t)
@@ -41,6 +58,10 @@ def add_parsers(sub) -> None:
     t.add_argument("--seed", type=int)
     t.add_argument("--batch-size", type=int, help="the global batch, split over the processes")
     t.add_argument("--lr", type=float, help="peak learning rate (the preset's)")
+
+
+def _exchange_options(t: argparse.ArgumentParser) -> None:
+    """``teralm train``'s optimizer and gradient-exchange flags."""
     t.add_argument(
         "--comm", choices=COMMS, help="how torchrun's processes agree each step (allreduce)"
     )
@@ -72,7 +93,10 @@ def add_parsers(sub) -> None:
     t.add_argument(
         "--powersgd-warmup", type=int, help="PowerSGD: steps of plain all-reduce first (10)"
     )
-    d = t.add_argument_group("DiLoCo (--mode diloco): workers that train apart and meet seldom")
+
+
+def _diloco_options(d) -> None:
+    """``teralm train``'s DiLoCo flags."""
     d.add_argument("--mode", choices=MODES, help="sync (torchrun data-parallel) or diloco")
     d.add_argument("--replicas", type=int, help="workers the global batch is split over (1)")
     d.add_argument("--inner-steps", type=int, help="steps between rounds (50)")
@@ -105,8 +129,10 @@ def add_parsers(sub) -> None:
         default=120.0,
         help="seconds to wait for a quorum or an exchange (120)",
     )
-    t.add_argument("--quiet", action="store_true")
 
+
+def _lighthouse_parser(sub) -> None:
+    """``teralm lighthouse``."""
     h = sub.add_parser("lighthouse", help="coordinate DiLoCo workers on several machines")
     h.add_argument(
         "--bind",
@@ -121,6 +147,9 @@ def add_parsers(sub) -> None:
         help="seconds a new quorum waits for workers that are up but not yet asking",
     )
 
+
+def _eval_parser(sub) -> None:
+    """``teralm eval``."""
     e = sub.add_parser("eval", help="held-out bpb / perplexity: model, ∞-gram, interpolation")
     e.add_argument("run", type=Path, help="run folder (or fp8 export)")
     e.add_argument("--index", type=Path, required=True)
@@ -142,6 +171,9 @@ def add_parsers(sub) -> None:
     e.add_argument("--quiet", action="store_true")
     _add_precision(e)
 
+
+def _build_knn_parser(sub) -> None:
+    """``teralm build-knn``."""
     k = sub.add_parser("build-knn", help="the kNN datastore of a run's hidden states")
     k.add_argument("run", type=Path, help="run folder (or fp8 export)")
     k.add_argument("--index", type=Path, required=True, help="the index the run trained on")
@@ -165,6 +197,9 @@ def add_parsers(sub) -> None:
     k.add_argument("--quiet", action="store_true")
     _add_precision(k)
 
+
+def _sample_parser(sub) -> None:
+    """``teralm sample``."""
     s = sub.add_parser("sample", help="continue a prompt, with and without the index")
     s.add_argument("run", type=Path)
     s.add_argument("--index", type=Path, required=True)
@@ -184,6 +219,9 @@ def add_parsers(sub) -> None:
     _add_knn(s)
     add_index_memory(s)
 
+
+def _serve_parser(sub) -> None:
+    """``teralm serve``."""
     v = sub.add_parser("serve", help="serve a run and its index over HTTP (OpenAI-compatible)")
     v.add_argument("--index", type=Path, required=True)
     v.add_argument("--run", type=Path, required=True, help="run folder or fp8 export")
@@ -221,6 +259,9 @@ def add_parsers(sub) -> None:
     )
     v.add_argument("--quiet", action="store_true", help="no access log (a line per request)")
 
+
+def _export_parser(sub) -> None:
+    """``teralm export-fp8``."""
     x = sub.add_parser("export-fp8", help="write a run's model with fp8 weights")
     x.add_argument("run", type=Path)
     x.add_argument("--out", type=Path, required=True)
