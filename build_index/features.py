@@ -163,22 +163,22 @@ class _RunReader:
     up to ``chunk`` entries at a time into the reader's rows of the arena: its decoded entries
     are rows ``[lo, hi)``."""
 
-    def __init__(self, layout: Layout, k: int, span, arena: _Arena, base: int, sizes: tuple):
+    def __init__(
+        self, layout: Layout, k: int, span, arena: _Arena, base: int, chunk: int, read_rows: int
+    ):
         self.layout, self.k, self.arena = layout, k, arena
-        self.chunk, read_rows = sizes
-        self.read_rows = max(read_rows, self.chunk)
+        self.chunk, self.read_rows = chunk, max(read_rows, chunk)
         self.next, self.stop, self.element = int(span[0]), int(span[1]), int(span[2])
+        self.to_decode = self.next  # the first entry not decoded yet
         self.base = self.lo = self.hi = base
         self.current = np.zeros(arena.keys.shape[1] * 64 // layout.elem_bits, dtype=np.int64)
-        self.reading: Future | None = None  # the read under way, of in_flight entries
-        self.in_flight = 0
+        self.reading: Future | None = None  # the read under way
         self.undecoded: dict | None = None  # read, not yet decoded
 
     @property
     def ahead(self) -> int:
         """Entries not yet decoded: read, being read or on disk."""
-        read = 0 if self.undecoded is None else len(self.undecoded["lcp"])
-        return read + (self.stop - self.next) + (self.in_flight if self.reading else 0)
+        return self.stop - self.to_decode
 
     @property
     def buffered(self) -> int:
@@ -187,8 +187,7 @@ class _RunReader:
     def read_ahead(self, pool: ThreadPoolExecutor) -> None:
         """Start reading the next entries from disk, unless a read is under way or all are."""
         if self.reading is None and self.next < self.stop:
-            self.in_flight = min(self.read_rows, self.stop - self.next)
-            end = self.next + self.in_flight
+            end = min(self.next + self.read_rows, self.stop)
             self.reading = pool.submit(read_run, self.layout, self.k, self.next, end, self.element)
             self.next = end
 
@@ -199,20 +198,27 @@ class _RunReader:
         if 2 * self.buffered > self.chunk:
             return
         take = min(self.chunk - self.buffered, self.ahead)
-        while take > 0 and (self.undecoded is None or len(self.undecoded["lcp"]) < take):
-            self.read_ahead(pool)
-            with profile.stage("read"):
-                run = self.reading.result()
-            self.reading = None
-            self.element += len(run["elements"])
-            profile.counts["reads"] += len(run)
-            profile.counts["read_bytes"] += sum(x.nbytes for x in run.values())
-            self.undecoded = run if self.undecoded is None else join_runs(self.undecoded, run)
-            self.read_ahead(pool)
-        if take > 0:
-            run, self.undecoded = split_run(self.undecoded, take)
-            with profile.stage("decode"):
-                self._decode(run)
+        if take <= 0:
+            return
+        while self.undecoded is None or len(self.undecoded["lcp"]) < take:
+            self._land(pool, profile)
+        run, self.undecoded = split_run(self.undecoded, take)
+        self.to_decode += take
+        with profile.stage("decode"):
+            self._decode(run)
+
+    def _land(self, pool: ThreadPoolExecutor, profile: JobProfile) -> None:
+        """Wait for the read under way (started now if none is), keep what it read, and start
+        the next."""
+        self.read_ahead(pool)
+        with profile.stage("read"):
+            run = self.reading.result()
+        self.reading = None
+        self.element += len(run["elements"])
+        profile.counts["reads"] += len(run)
+        profile.counts["read_bytes"] += sum(x.nbytes for x in run.values())
+        self.undecoded = run if self.undecoded is None else join_runs(self.undecoded, run)
+        self.read_ahead(pool)
 
     def _decode(self, run: dict) -> None:
         """Decode a read run after the buffered entries."""
@@ -291,9 +297,10 @@ def features_job(
     """
     shards = [k for k, span in enumerate(spans) if span[1] > span[0]]
     arena = _Arena(layout, len(shards), chunk)
-    sizes = (chunk, _read_rows(layout, spans, read_memory))
+    read_rows = _read_rows(layout, spans, len(shards), read_memory)
     readers = [
-        _RunReader(layout, k, spans[k], arena, i * chunk, sizes) for i, k in enumerate(shards)
+        _RunReader(layout, k, spans[k], arena, i * chunk, chunk, read_rows)
+        for i, k in enumerate(shards)
     ]
     budget = chunk * max(len(readers), 1)
     work = work_paths(layout, global_start)
@@ -321,13 +328,12 @@ def features_job(
             path.unlink(missing_ok=True)
 
 
-def _read_rows(layout: Layout, spans: np.ndarray, read_memory: int) -> int:
-    """Entries per read such that two reads of every shard of the job fit ``read_memory``."""
+def _read_rows(layout: Layout, spans: np.ndarray, shards: int, read_memory: int) -> int:
+    """Entries per read such that two reads of each of the job's ``shards`` fit ``read_memory``."""
     entries = int((spans[:, 1] - spans[:, 0]).sum())
     elements = int((spans[:, 3] - spans[:, 2]).sum())
     per_entry = run_bytes(layout, entries, elements) / max(entries, 1)
-    shards = max(int(np.count_nonzero(spans[:, 1] > spans[:, 0])), 1)
-    return int(read_memory / (2 * shards * per_entry))
+    return int(read_memory / (2 * max(shards, 1) * per_entry))
 
 
 def work_paths(layout: Layout, global_start: int) -> dict[str, Path]:
