@@ -361,8 +361,9 @@ def _train_run(args: argparse.Namespace) -> int:
     from teralm.index import Index
     from teralm.train.config import load_config
     from teralm.train.diloco import WorkerPlace, advertised_host
-    from teralm.train.loop import holds_run, saved_config, train
+    from teralm.train.loop import train
     from teralm.train.report import plot_loss, summary
+    from teralm.train.run_folder import holds_run, saved_config
 
     try:
         ix = Index.open(args.index, args.index_memory)

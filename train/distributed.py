@@ -86,6 +86,27 @@ def leave_world(world: World, together: bool = True) -> None:
         dist.destroy_process_group()
 
 
+def check_world(cfg: TrainConfig, world: World, state: dict | None) -> None:
+    """ConfigError unless the processes divide the global batch and (resuming from checkpoint
+    ``state``) are as many as the run was trained on."""
+    if cfg.batch_size % world.size:
+        raise ConfigError(
+            f"batch_size {cfg.batch_size} (the global batch) is not a multiple of the "
+            f"{world.size} processes; choose a batch_size that {world.size} divides"
+        )
+    if cfg.per_layer_update and world.size > 1:
+        raise ConfigError(
+            "per_layer_update steps before the processes could exchange gradients: "
+            "train it on one process"
+        )
+    saved = (state or {}).get("world_size", 1)
+    if state is not None and saved != world.size:
+        raise ConfigError(
+            f"the run was trained on {saved} processes, and resuming on {world.size} is not "
+            f"supported; resume it with torchrun --nproc-per-node {saved} (in all)"
+        )
+
+
 @dataclass
 class Traffic:
     """Bytes this rank sent, in the current step and in all. The ring algorithms counted here

@@ -8,7 +8,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,26 +19,23 @@ from teralm.errors import ConfigError
 from teralm.files import write_atomic
 from teralm.index import Index
 from teralm.infer.precision import PrecisionChoice, autocast, choose_precision, default_device
-from teralm.model import ModelConfig, Transformer, checkpoint
+from teralm.model import ModelConfig, Transformer
 from teralm.model.config import AUTO, PRECISIONS
 from teralm.model.transformer import index_lm_loss
 from teralm.train.config import RunConfig, TrainConfig
 from teralm.train.data import FragmentSampler, prefetched
-from teralm.train.diloco import WorkerPlace, is_round_end, open_worker, worker_env_problem
-from teralm.train.distributed import (
-    World,
-    gather_local_states,
-    join_world,
-    leave_world,
-    local_state_of,
-    make_exchange,
-)
+from teralm.train.diloco import WorkerPlace, open_worker, worker_env_problem
+from teralm.train.distributed import World, check_world, join_world, leave_world, make_exchange
+from teralm.train.metrics import METRICS, MetricsLog
 from teralm.train.optim import make_optimizer
-
-METRICS = "metrics.jsonl"
-RUN_CONFIG = "config.json"
-# settings that may change when a run is resumed (its length); anything else must match
-RESUMABLE_CHANGES = {"max_steps", "max_minutes", "checkpoint_every", "log_every"}
+from teralm.train.run_folder import (
+    RUN_CONFIG,
+    Checkpointer,
+    Progress,
+    open_run_everywhere,
+    saved_config,
+)
+from teralm.train.sync import RoundSync, StepSync
 
 
 def keep_freed_memory() -> bool:
@@ -87,111 +84,12 @@ class TrainResult:
     weights_sha256: str | None = None  # DiLoCo: of the global weights the workers agreed on
 
 
-def check_resumable(saved: dict, config: RunConfig, identity: dict) -> None:
-    """Refuse to resume a run whose model, training settings or index differ."""
-    old = RunConfig.from_saved(saved["config"])
-    if old.model != config.model:
-        diff = [
-            f"{k}: {v!r} -> {config.model.to_dict()[k]!r}"
-            for k, v in old.model.to_dict().items()
-            if config.model.to_dict()[k] != v
-        ]
-        raise ConfigError("the run was trained with another model config (" + ", ".join(diff) + ")")
-    new_train = asdict(config.train)
-    changed = [k for k, v in asdict(old.train).items() if new_train[k] != v]
-    if set(changed) - RESUMABLE_CHANGES:
-        raise ConfigError(
-            "the run was trained with other settings: "
-            + ", ".join(sorted(set(changed) - RESUMABLE_CHANGES))
-        )
-    for key in ("tokenizer", "tokenizer_sha256", "vocab_size", "num_tokens", "tokens_sha256"):
-        if saved["index"].get(key, identity[key]) != identity[key]:  # older runs lack some
-            raise ConfigError(f"the run was trained on another index ({key} differs)")
-
-
 def _step_loss(micro_losses: list[torch.Tensor]) -> float:
     """A step's mean loss over its micro-batches, as a float."""
     total = 0.0
     for loss in micro_losses:
         total += loss.item() / len(micro_losses)
     return total
-
-
-def _metric_step(line: str) -> int | None:
-    """The step of a ``metrics.jsonl`` line, or None when it is not a metrics record."""
-    try:
-        step = json.loads(line).get("step")
-    except (ValueError, AttributeError):
-        return None
-    return step if isinstance(step, int) else None
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Keep the metric lines of steps up to ``step`` (a resumed run redoes the rest); a last
-    line cut short (the process was killed while writing it) is dropped."""
-    if not path.exists():
-        return
-    kept, text = [], path.read_text()
-    lines = text.splitlines()
-    if lines and not text.endswith("\n") and _metric_step(lines[-1]) is None:
-        lines.pop()
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        line_step = _metric_step(line)
-        if line_step is None:
-            raise ConfigError(
-                f"{path} line {number} is not a metrics record; delete that line and resume"
-            )
-        if line_step <= step:
-            kept.append(line + "\n")
-    write_atomic(path, "".join(kept).encode())
-
-
-def saved_config(run: Path) -> RunConfig:
-    """The config a run was started with (``RUN/config.json``); ConfigError naming the file."""
-    path = run / RUN_CONFIG
-    advice = "pass --preset or --config with the run's settings to resume"
-    record = checkpoint.read_json(path, advice)
-    try:
-        return RunConfig.from_saved(record.get("config"))
-    except ValueError as e:
-        raise ConfigError(f"{path} is not a teralm run config ({e}); {advice}") from None
-
-
-def holds_run(run: Path) -> bool:
-    """Whether folder ``run`` is a teralm run: it has a checkpoint pointer, or a run config."""
-    if (run / checkpoint.LATEST).exists():
-        return True
-    try:
-        record = json.loads((run / RUN_CONFIG).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(record, dict) and {"config", "index"} <= record.keys()
-
-
-def open_run(run: Path, resume: bool) -> Path | None:
-    """Create or check the run folder; the checkpoint to resume from (None: start afresh).
-
-    A folder that holds anything but a run is refused, so no file of it is overwritten."""
-    if run.exists() and not run.is_dir():
-        raise ConfigError(f"--out {run} is a file, not a folder; choose another --out")
-    if (
-        run.exists()
-        and any(not p.name.startswith(checkpoint.LOCK) for p in run.iterdir())
-        and not holds_run(run)
-    ):
-        raise ConfigError(
-            f"--out {run} is not empty and holds no teralm run; choose another --out "
-            "(a new or empty folder)"
-        )
-    run.mkdir(parents=True, exist_ok=True)
-    folder = checkpoint.latest(run)
-    if folder is not None and not resume:
-        raise ConfigError(
-            f"{run} already holds a run: pass --resume to continue it, or another --out"
-        )
-    return folder
 
 
 def train(
@@ -220,57 +118,15 @@ def train(
             device = torch.device("cuda", world.local_rank)
             torch.cuda.set_device(device)
         with contextlib.ExitStack() as held:  # the run's lock, on the main process
-            result = _train(
-                ix, config, run, resume, progress and world.main, device, world, held, worker
-            )
+            trainer = Trainer(ix, config, run, device, world, worker)
+            trainer.open(resume, held)
+            trainer.announce(progress and world.main)
+            result = trainer.fit(progress and world.main)
     except BaseException:
         leave_world(world, together=False)
         raise
     leave_world(world)
     return result
-
-
-def _open_run_everywhere(
-    run: Path, resume: bool, world: World, held: contextlib.ExitStack, worker: int | None
-) -> Path | None:
-    """``open_run`` and the run's lock (kept in ``held``; a DiLoCo ``worker`` holds one of its
-    own) on the main process, then the checkpoint to resume from, on every one."""
-    error = None
-    if world.main:
-        try:
-            open_run(run, resume)
-            held.enter_context(checkpoint.lock_run(run, worker))
-        except ValueError as e:
-            error = e
-    if world.size > 1:
-        failed = torch.tensor([error is not None], dtype=torch.int32, device=world.device)
-        dist.broadcast(failed, src=0)
-        if failed.item() and error is None:
-            raise ConfigError("the main process (rank 0) refused the run folder: see its error")
-    if error is not None:
-        raise error
-    return checkpoint.latest(run) if resume else None
-
-
-def _check_world(cfg: TrainConfig, world: World, state: dict | None) -> None:
-    """ConfigError unless the processes divide the global batch and (resuming from ``state``)
-    are as many as the run was trained on."""
-    if cfg.batch_size % world.size:
-        raise ConfigError(
-            f"batch_size {cfg.batch_size} (the global batch) is not a multiple of the "
-            f"{world.size} processes; choose a batch_size that {world.size} divides"
-        )
-    if cfg.per_layer_update and world.size > 1:
-        raise ConfigError(
-            "per_layer_update steps before the processes could exchange gradients: "
-            "train it on one process"
-        )
-    saved = (state or {}).get("world_size", 1)
-    if state is not None and saved != world.size:
-        raise ConfigError(
-            f"the run was trained on {saved} processes, and resuming on {world.size} is not "
-            f"supported; resume it with torchrun --nproc-per-node {saved} (in all)"
-        )
 
 
 def _agree(value: float, world: World, op: str = "sum") -> float:
@@ -300,228 +156,205 @@ def _run_precision(
     return choice
 
 
-def _write_round(path: Path, records: list[dict], start: int, outer) -> None:
-    """A DiLoCo round's metrics records, once the round is agreed, with the workers in it; the
-    last carries the bytes this worker sent in the round (the others 0). The lines past
-    ``start`` (from a run killed before it was resumed) go first."""
-    _truncate_metrics(path, start)
-    with open(path, "a") as metrics:
-        for i, record in enumerate(records, 1):
-            sent = outer.round_sent if i == len(records) else 0
-            record.update(sent_bytes=sent, received_bytes=sent, workers=outer.workers)
-            metrics.write(json.dumps(record) + "\n")
+class Trainer:
+    """One process's part of a run: its model, optimizer and step, and the parts it hands the
+    rest to: ``sync`` (how it keeps step with the other processes, ``teralm.train.sync``), a
+    ``Checkpointer`` and a ``MetricsLog``. ``open`` takes the run folder and builds (or
+    resumes) the run; ``fit`` trains until ``max_steps`` or ``max_minutes``."""
 
+    def __init__(
+        self,
+        ix: Index,
+        config: RunConfig,
+        run: Path,
+        device: torch.device,
+        world: World,
+        worker: WorkerPlace | None = None,
+    ):
+        keep_freed_memory()
+        self.ix, self.config, self.cfg, self.run = ix, config, config.train, run
+        self.device, self.world, self.worker = device, world, worker
+        config.model.vocab_size, config.model.max_match = ix.vocab_size, ix.max_match
+        config.model.max_seq_len = max(config.model.max_seq_len, self.cfg.seq_len)
+        self.identity = ix.identity()
+        check_world(self.cfg, world, None)
+        self.tokens_per_step = self.cfg.batch_size * self.cfg.seq_len * self.cfg.grad_accum
+        self.micro_losses: list[torch.Tensor] = []
+        self.batches = None
 
-def _train_step(
-    cfg: TrainConfig,
-    precision: str,
-    step: int,
-    device: torch.device,
-    batches,
-    forward,
-    exchange,
-    optimizer,
-    params: list[torch.Tensor],
-) -> list[torch.Tensor]:
-    """One optimizer step (``grad_accum`` micro-batches, the exchange, clipping): the
-    micro-batches' mixed losses, not yet read back (no device sync per step)."""
-    for group in optimizer.param_groups:
-        group["lr"] = learning_rate(cfg, step)
-    micro_losses = []
-    for micro in range(cfg.grad_accum):
-        batch = next(batches).to(device)
-        with exchange.accumulating(last=micro == cfg.grad_accum - 1):
-            with autocast(device, precision):
-                logits, gate = forward(
-                    batch.tokens, batch.next_token, batch.match_len, with_gate=True,
-                    infgram_total=batch.infgram_total,
-                )  # fmt: skip
-            mixed, own = index_lm_loss(
-                logits, gate, batch.targets, batch.infgram_total, batch.infgram_hits
-            )
-            loss = mixed + cfg.own_loss_weight * own if gate is not None else mixed
-            (loss / cfg.grad_accum).backward()
-        micro_losses.append(mixed.detach())
-    exchange.exchange(params)
-    if cfg.grad_clip:
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return micro_losses
+    def open(self, resume: bool, held: contextlib.ExitStack) -> None:
+        """Take the run folder (its lock kept in ``held``), choose the precision, build the
+        model, optimizer, exchange and sync, resume from the latest checkpoint (``resume``),
+        and write the run's config."""
+        cfg, world, worker = self.cfg, self.world, self.worker
+        folder = open_run_everywhere(self.run, resume, world, held, worker and worker.replica)
+        self.precision = _run_precision(
+            self.config.model, self.device, self.run if folder else None, world
+        )
+        self.config.model.precision = self.precision.precision
+        torch.manual_seed(cfg.seed)  # the same initial weights on every process
+        self.model = Transformer(self.config.model).to(self.device)
+        self.optimizer = make_optimizer(self.model, cfg, world)
+        self.exchange = make_exchange(cfg, world, self.optimizer)
+        self.sync = StepSync(world, self.exchange)
+        if worker is not None:
+            outer = held.enter_context(open_worker(worker, self.model, self.optimizer, cfg))
+            self.sync = RoundSync(outer, worker.replica, cfg)
+        self.checkpointer = Checkpointer(
+            self.run, self.config, self.identity, self.model, self.optimizer, self.exchange,
+            self.sync,
+        )  # fmt: skip
+        self.progress = self.checkpointer.resume() if folder is not None else Progress()
+        forward = self.exchange.wrap(self.model)
+        self.forward = torch.compile(forward) if cfg.compile else forward
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.sampler = self._sampler()
+        if self.sync.writes():  # the same file from every DiLoCo worker, written whole
+            record = {
+                "config": self.config.to_dict(),
+                "index": self.identity,
+                "precision": self.precision.to_dict(),
+            }
+            write_atomic(self.run / RUN_CONFIG, json.dumps(record, indent=1).encode())
 
+    def _sampler(self) -> FragmentSampler:
+        """This process's share of every batch."""
+        cfg, sync = self.cfg, self.sync
+        return FragmentSampler(
+            self.ix, cfg.seq_len, cfg.batch_size // sync.parts, cfg.seed, cfg.holdout_every,
+            infgram=self.model.mixture_gate is not None,
+            index_dropout=cfg.index_dropout if self.config.model.index_input else 0.0,
+            dropout_features=cfg.dropout_features, rank=sync.part, world=sync.parts,
+            workers=torch.get_num_threads(),
+        )  # fmt: skip
 
-def _train(
-    ix: Index,
-    config: RunConfig,
-    run: Path,
-    resume: bool,
-    progress: bool,
-    device: torch.device,
-    world: World,
-    held: contextlib.ExitStack,
-    worker: WorkerPlace | None,
-) -> TrainResult:
-    keep_freed_memory()
-    cfg = config.train
-    config.model.vocab_size, config.model.max_match = ix.vocab_size, ix.max_match
-    config.model.max_seq_len = max(config.model.max_seq_len, cfg.seq_len)
-    identity = ix.identity()
-    _check_world(cfg, world, None)
-    folder = _open_run_everywhere(run, resume, world, held, worker and worker.replica)
-    precision = _run_precision(config.model, device, run if folder else None, world)
-    config.model.precision = precision.precision
+    def announce(self, show: bool) -> None:
+        """The precision (and the processes) on stderr; a slow precision's warning."""
+        if show:
+            print(f"precision {self.precision.precision}: {self.precision.reason}", file=sys.stderr)
+            if self.world.size > 1:
+                print(f"{self.world.size} processes, gradients by {self.cfg.comm}", file=sys.stderr)
+        if self.precision.warning and self.sync.writes():
+            print(f"warning: {self.precision.warning}", file=sys.stderr)
 
-    torch.manual_seed(cfg.seed)  # the same initial weights on every process
-    model = Transformer(config.model).to(device)
-    optimizer = make_optimizer(model, cfg, world)
-    exchange = make_exchange(cfg, world, optimizer)
-    outer = held.enter_context(open_worker(worker, model, optimizer, cfg)) if worker else None
-    start, tokens_done, wall_before = 0, 0, 0.0
-    if folder is not None:
-        folder, (weights, opt_tensors, state) = checkpoint.load_latest(run)
-        check_resumable(state, config, identity)
-        _check_world(cfg, world, state)
-        model.load_state_dict(weights)
-        torch.set_rng_state(opt_tensors.pop("torch_rng"))
-        ranks = {k: opt_tensors.pop(k) for k in list(opt_tensors) if k.startswith("rank")}
-        rounds = {k: opt_tensors.pop(k) for k in list(opt_tensors) if k.startswith("outer/")}
-        checkpoint.restore_optimizer(optimizer, opt_tensors, state["optimizer"])
-        exchange.load_local_state(local_state_of(ranks, world.rank))
-        start, tokens_done, wall_before = state["step"], state["tokens"], state["wall_s"]
-        if outer is not None:
-            outer.restore(rounds, state["outer"], start)
-
-    def writes() -> bool:
-        """Whether this process writes the run now: rank 0; in DiLoCo, the first worker of the
-        last round's quorum (before the first round, worker 0)."""
-        if outer is None:
-            return world.main
-        return outer.main if outer.rounds else worker.replica == 0
-
-    logs_each_step = outer is None and world.main  # DiLoCo writes its metrics by round
-    if logs_each_step:
-        _truncate_metrics(run / METRICS, start)
-    forward = exchange.wrap(model)
-    forward = torch.compile(forward) if cfg.compile else forward
-    parts, part = (cfg.replicas, worker.replica) if worker else (world.size, world.rank)
-    sampler = FragmentSampler(
-        ix,
-        cfg.seq_len,
-        cfg.batch_size // parts,
-        cfg.seed,
-        cfg.holdout_every,
-        infgram=model.mixture_gate is not None,
-        index_dropout=cfg.index_dropout if config.model.index_input else 0.0,
-        dropout_features=cfg.dropout_features,
-        rank=part,
-        world=parts,
-        workers=torch.get_num_threads(),
-    )
-    if writes():  # the same file from every DiLoCo worker, written whole
-        record = {"config": config.to_dict(), "index": identity, "precision": precision.to_dict()}
-        write_atomic(run / RUN_CONFIG, json.dumps(record, indent=1).encode())
-    if progress:
-        print(f"precision {precision.precision}: {precision.reason}", file=sys.stderr)
-        if world.size > 1:
-            print(f"{world.size} processes, gradients by {cfg.comm}", file=sys.stderr)
-    if precision.warning and writes():
-        print(f"warning: {precision.warning}", file=sys.stderr)
-
-    saved_step = start if folder is not None else None
-
-    def save(step: int) -> None:
-        nonlocal saved_step
-        saved_step = step
-        local_states = gather_local_states(exchange, world)  # every rank takes part
-        if not writes():
-            return
-        state = {
-            "config": config.to_dict(),
-            "index": identity,
-            "tokens": tokens_done,
-            "wall_s": wall_before + time.perf_counter() - t0,
-            "world_size": world.size,
-        }
-        if outer is not None:
-            state["outer"] = outer.checkpoint_state()
-            local_states.update(outer.checkpoint_tensors())
-        checkpoint.save(run, step, model, optimizer, state, local_states)
-
-    def batches_from(step: int):
-        keys = [(s, micro) for s in range(step, cfg.max_steps) for micro in range(cfg.grad_accum)]
-        return prefetched(sampler, keys, background=device.type != "cpu")
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
-    traffic = exchange.traffic if outer is None else outer.traffic
-    t0 = time.perf_counter()
-    last_log, loss_value, stopped, step = t0, float("nan"), "max_steps", start
-    micro_losses: list[torch.Tensor] = []
-    round_start = start  # DiLoCo: where this worker's current round began
-    round_records: list[dict] = []  # DiLoCo: written once the round is agreed
-    bar = tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step", disable=not progress)
-    with contextlib.ExitStack() as stack:
-        batches = stack.enter_context(contextlib.closing(batches_from(start)))
-        metrics = stack.enter_context(open(run / METRICS, "a")) if logs_each_step else None
-        while step < cfg.max_steps:
-            if cfg.max_minutes and (outer is None or step == round_start):  # between rounds
-                late = wall_before + time.perf_counter() - t0 > 60 * cfg.max_minutes
-                if _agree(float(late), world, "max"):
+    def fit(self, show: bool) -> TrainResult:
+        """Train to the end of the run, saving every ``checkpoint_every`` steps and at the end."""
+        cfg, progress = self.cfg, self.progress
+        bar = tqdm(
+            total=cfg.max_steps, initial=progress.step, desc="train", unit="step", disable=not show
+        )
+        stopped = "max_steps"
+        progress.started = self.last_log = time.perf_counter()
+        with contextlib.ExitStack() as stack:
+            kind = self.sync.metrics_kind
+            self.metrics = stack.enter_context(MetricsLog(self.run / METRICS, progress.step, kind))
+            stack.callback(self._close_batches)
+            self._batches_from(progress.step)
+            while progress.step < cfg.max_steps:
+                if self._out_of_time():
                     stopped = "max_minutes"
                     break
-            if outer is None:
-                traffic.new_step()
-            micro_losses = _train_step(
-                cfg, config.model.precision, step, device, batches, forward, exchange,
-                optimizer, params,
-            )  # fmt: skip
-            step += 1
-            tokens_done += tokens_per_step
-            if step % cfg.log_every == 0 or step == cfg.max_steps:
-                now = time.perf_counter()
-                loss_value = _agree(_step_loss(micro_losses), world) / world.size
-                rate = tokens_per_step * cfg.log_every / max(now - last_log, 1e-9)
-                last_log = now
-                record = {
-                    "step": step,
-                    "loss": loss_value,
-                    "lr": learning_rate(cfg, step - 1),
-                    "tokens": tokens_done,
-                    "tok_per_s": rate,
-                    "elapsed_s": wall_before + now - t0,
-                    "sent_bytes": traffic.step_sent,
-                    "received_bytes": traffic.step_sent,  # a ring receives what it sends
-                }
-                if outer is not None:
-                    round_records.append(record)
-                elif logs_each_step:
-                    metrics.write(json.dumps(record) + "\n")
-                    metrics.flush()
-                bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{rate:,.0f}")
-            bar.update(1)
-            if outer is not None and is_round_end(cfg, step):
-                agreed = outer.round(step, float(step - round_start))
-                if agreed == step and writes():
-                    _write_round(run / METRICS, round_records, round_start, outer)
-                if agreed != step:  # redo the round, or go on from where a peer put this worker
-                    batches.close()
-                    batches = stack.enter_context(contextlib.closing(batches_from(agreed)))
-                    tokens_done += (agreed - step) * tokens_per_step
-                    bar.update(agreed - step)
-                step = round_start = agreed
-                round_records = []
-            agreed_here = outer is None or step == round_start  # DiLoCo: right after a round
-            if step % cfg.checkpoint_every == 0 and agreed_here and saved_step != step:
-                save(step)
-    bar.close()
-    if outer is not None:
-        outer.finish()
-    if micro_losses:
-        loss_value = _agree(_step_loss(micro_losses), world) / world.size
-    if saved_step != step:
-        save(step)
-    wall = wall_before + time.perf_counter() - t0
-    return TrainResult(
-        step, loss_value, tokens_done, wall, stopped, model.num_parameters(), traffic.sent,
-        writes(), outer.rounds if outer else 0, outer.digest() if outer else None,
-    )  # fmt: skip
+                self._advance(bar)
+        bar.close()
+        self.sync.finish()
+        loss = self._mean_loss() if self.micro_losses else float("nan")
+        if self.checkpointer.saved_step != progress.step:
+            self.checkpointer.save(progress)
+        return TrainResult(
+            progress.step, loss, progress.tokens, progress.wall(), stopped,
+            self.model.num_parameters(), self.sync.traffic.sent, self.sync.writes(),
+            self.sync.rounds, self.sync.digest(),
+        )  # fmt: skip
+
+    def _advance(self, bar: tqdm) -> None:
+        """One step, its metrics, the sync's say on where to go on from, and a checkpoint when
+        one is due."""
+        cfg, progress = self.cfg, self.progress
+        self.sync.start_step()
+        self.micro_losses = self._step(progress.step)
+        progress.step += 1
+        progress.tokens += self.tokens_per_step
+        if progress.step % cfg.log_every == 0 or progress.step == cfg.max_steps:
+            self._log(bar)
+        bar.update(1)
+        agreed = self.sync.end_step(progress.step, self.metrics)
+        if agreed != progress.step:  # redo the round, or go on from where a peer put this worker
+            self._batches_from(agreed)
+            progress.tokens += (agreed - progress.step) * self.tokens_per_step
+            bar.update(agreed - progress.step)
+            progress.step = agreed
+        step = progress.step
+        due = step % cfg.checkpoint_every == 0 and self.sync.agreed_at(step)
+        if due and self.checkpointer.saved_step != step:
+            self.checkpointer.save(progress)
+
+    def _step(self, step: int) -> list[torch.Tensor]:
+        """One optimizer step (``grad_accum`` micro-batches, the exchange, clipping): the
+        micro-batches' mixed losses, not yet read back (no device sync per step)."""
+        cfg, device = self.cfg, self.device
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate(cfg, step)
+        micro_losses = []
+        for micro in range(cfg.grad_accum):
+            batch = next(self.batches).to(device)
+            with self.exchange.accumulating(last=micro == cfg.grad_accum - 1):
+                with autocast(device, self.precision.precision):
+                    logits, gate = self.forward(
+                        batch.tokens, batch.next_token, batch.match_len, with_gate=True,
+                        infgram_total=batch.infgram_total,
+                    )  # fmt: skip
+                mixed, own = index_lm_loss(
+                    logits, gate, batch.targets, batch.infgram_total, batch.infgram_hits
+                )
+                loss = mixed + cfg.own_loss_weight * own if gate is not None else mixed
+                (loss / cfg.grad_accum).backward()
+            micro_losses.append(mixed.detach())
+        self.exchange.exchange(self.params)
+        if cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return micro_losses
+
+    def _log(self, bar: tqdm) -> None:
+        """The metrics record of the step just taken, and the progress bar's loss and speed."""
+        cfg, progress, traffic = self.cfg, self.progress, self.sync.traffic
+        now = time.perf_counter()
+        loss = self._mean_loss()
+        rate = self.tokens_per_step * cfg.log_every / max(now - self.last_log, 1e-9)
+        self.last_log = now
+        self.metrics.add({
+            "step": progress.step,
+            "loss": loss,
+            "lr": learning_rate(cfg, progress.step - 1),
+            "tokens": progress.tokens,
+            "tok_per_s": rate,
+            "elapsed_s": progress.wall(),
+            "sent_bytes": traffic.step_sent,
+            "received_bytes": traffic.step_sent,  # a ring receives what it sends
+        })  # fmt: skip
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}")
+
+    def _mean_loss(self) -> float:
+        """The last step's loss, averaged over the processes."""
+        return _agree(_step_loss(self.micro_losses), self.world) / self.world.size
+
+    def _out_of_time(self) -> bool:
+        """Whether ``max_minutes`` have passed, by any process's clock (checked where the
+        processes agree: every step, or between DiLoCo rounds)."""
+        if not self.cfg.max_minutes or not self.sync.agreed_at(self.progress.step):
+            return False
+        late = self.progress.wall() > 60 * self.cfg.max_minutes
+        return bool(_agree(float(late), self.world, "max"))
+
+    def _batches_from(self, step: int) -> None:
+        """Draw batches from step ``step`` on (closing the stream drawn so far)."""
+        self._close_batches()
+        cfg = self.cfg
+        keys = [(s, micro) for s in range(step, cfg.max_steps) for micro in range(cfg.grad_accum)]
+        self.batches = prefetched(self.sampler, keys, background=self.device.type != "cpu")
+
+    def _close_batches(self) -> None:
+        if self.batches is not None:
+            self.batches.close()
+            self.batches = None

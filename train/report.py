@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 
 from teralm.model import checkpoint
-from teralm.train.loop import METRICS, TrainResult
+from teralm.train.loop import TrainResult
+from teralm.train.metrics import METRICS
 
 
 def read_metrics(run: Path) -> list[dict]:
