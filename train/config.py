@@ -16,102 +16,161 @@ OPTIMIZERS = ("adamw", "galore", "galore8bit")  # see teralm.train.optim
 OFFLOADS = ("none", "optimizer", "optimizer+master")  # see teralm.train.offload
 MODES = ("sync", "diloco")  # data-parallel under torchrun, or teralm.train.diloco
 OUTER_COMPRESSIONS = ("none", "onebit", "demo")  # DiLoCo's pseudo-gradients, teralm.train.diloco
-DROPOUT_FEATURES = ("self", "none")
-ONEBIT_TARGETS = (
-    "momentum",
-    "gradient",
-)  # what 1-bit messages carry: teralm.train.distributed  # index-dropout fragments' features, teralm.train.data
-# training settings added later, with the value that means "as runs trained before them"
-ADDED_SINCE = {
-    "own_loss_weight": 0.0,
-    "index_dropout": 0.0,
-    "dropout_features": "none",
-    "onebit_target": "gradient",
-}
+DROPOUT_FEATURES = ("self", "none")  # index-dropout fragments' features, teralm.train.data
+ONEBIT_TARGETS = ("momentum", "gradient")  # what 1-bit messages carry: teralm.train.distributed
+_NEW = object()  # a setting that runs have always had
+
+
+def setting(default, doc: str, choices: tuple = (), resumable: bool = False, before=_NEW):
+    """A training setting: its default and what it does (``doc``, the ``teralm train`` flag's
+    help); ``choices``, the values it may take; ``resumable``, whether a resumed run may change
+    it; ``before``, for a setting added later, the value that means "as runs trained before it"."""
+    metadata = {"help": doc, "choices": choices, "resumable": resumable}
+    if before is not _NEW:
+        metadata["before"] = before
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
-class TrainConfig:
-    """How to train: batch shape, optimizer, schedule, length and bookkeeping.
+class DataSettings:
+    """Data: the fragments each step trains on"""
 
-    ``schedule``: ``cosine`` (linear warmup, cosine decay to ``min_lr_ratio``) or ``wsd``
-    (warmup, constant, then linear decay over the last ``decay_fraction`` of the steps).
-    ``holdout_every``: documents whose id is a multiple of it are held out (never trained on).
-    ``own_loss_weight``: with an ∞-gram mixture, the loss adds this times the model's own
-    (unmixed) loss, so the model stays a good predictor where the ∞-gram is weak or silent
-    instead of learning only what the ∞-gram misses. ``index_dropout``: the fraction of
-    training fragments shown as new text would be: ``dropout_features = "self"``, with features
-    and ∞-gram made against the fragment's own earlier text alone; ``"none"``, with neither.
-    ``batch_size`` is the global batch: with ``torchrun``, each of the W processes takes
-    ``batch_size / W`` fragments. ``comm``: how the processes agree each step (see
-    teralm.train.distributed); ``demo_*``: DeMo's chunk size, components kept per chunk and
-    momentum; ``onebit_warmup``: steps of plain all-reduce before 1-bit messages,
-    ``onebit_block``: values sharing one scale in them, ``onebit_target``: what they carry
-    (AdamW's momentum with its second moment frozen after the warm-up, or the gradients); ``powersgd_*``: PowerSGD's matrix rank and the steps of plain all-reduce before it
-    starts compressing.
-    ``mode = "diloco"`` trains ``replicas`` workers apart (teralm.train.diloco), each on
-    ``batch_size / replicas`` fragments a step, meeting every ``inner_steps`` steps: the
-    pseudo-gradients' mean (sent as ``outer_compress`` says) steps the global weights by SGD with
-    Nesterov momentum (``outer_lr``, ``outer_momentum``), or, with ``outer_async`` = s > 0,
-    by ``s`` times the previous round's mean; a round needs ``min_replicas`` live workers.
-    """
+    batch_size: int = setting(16, "fragments per step: the global batch, split over the processes")
+    seq_len: int = setting(256, "tokens per fragment")
+    grad_accum: int = setting(1, "micro-batches per step, each of batch-size fragments")
+    seed: int = setting(0, "seed of the initial weights and of the fragments drawn")
+    holdout_every: int = setting(
+        50, "documents whose id is a multiple of this are held out (never trained on)"
+    )
+    index_dropout: float = setting(
+        0.5,
+        "fraction of fragments shown as new text would be, without what the index knows of them",
+        before=0.0,
+    )
+    dropout_features: str = setting(
+        "self",
+        "an index-dropout fragment's features and ∞-gram: made against its own earlier text "
+        "alone (self), or none",
+        DROPOUT_FEATURES,
+        before="none",
+    )
 
-    batch_size: int = 16
-    seq_len: int = 256
-    grad_accum: int = 1
-    max_steps: int = 1000
-    max_minutes: float = 0.0  # 0: no time limit
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    warmup_steps: int = 50
-    schedule: str = "cosine"
-    decay_fraction: float = 0.2
-    grad_clip: float = 1.0
-    checkpoint_every: int = 200
-    log_every: int = 10
-    compile: bool = False
-    seed: int = 0
-    holdout_every: int = 50
-    own_loss_weight: float = 0.5
-    index_dropout: float = 0.5
-    dropout_features: str = "self"
-    comm: str = "allreduce"
-    demo_chunk: int = 64
-    demo_topk: int = 32
-    demo_beta: float = 0.999
-    onebit_warmup: int = 50
-    onebit_block: int = 256
-    onebit_target: str = "momentum"
-    mode: str = "sync"
-    inner_steps: int = 50
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    outer_compress: str = "none"
-    outer_async: float = 0.0
-    replicas: int = 1
-    min_replicas: int = 1
-    powersgd_rank: int = 4
-    powersgd_warmup: int = 10
-    optimizer: str = "adamw"
-    galore_rank: float = 0.25
-    galore_gap: int = 200
-    galore_scale: float = 0.25
-    offload: str = "none"
-    per_layer_update: bool = False
+    def _check_data(self) -> None:
+        for name in ("batch_size", "seq_len", "grad_accum", "holdout_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1")
+        if not 0 <= self.index_dropout <= 1:
+            raise ConfigError("index_dropout must be between 0 and 1")
+        if self.dropout_features not in DROPOUT_FEATURES:
+            raise ConfigError(f"dropout_features must be one of {', '.join(DROPOUT_FEATURES)}")
 
-    def __post_init__(self) -> None:
+
+@dataclass
+class ScheduleSettings:
+    """Schedule: the run's length, learning rate and bookkeeping"""
+
+    max_steps: int = setting(1000, "steps to train in all", resumable=True)
+    max_minutes: float = setting(0.0, "stop after this many minutes (0: no limit)", resumable=True)
+    lr: float = setting(3e-3, "peak learning rate")
+    min_lr_ratio: float = setting(0.1, "cosine: the final learning rate, as a fraction of lr")
+    warmup_steps: int = setting(50, "steps of linear warm-up")
+    schedule: str = setting(
+        "cosine",
+        "cosine (warm-up, cosine decay to min-lr-ratio) or wsd (warm-up, constant, then linear "
+        "decay over the last decay-fraction of the steps)",
+        SCHEDULES,
+    )
+    decay_fraction: float = setting(0.2, "wsd: the fraction of the steps it decays over")
+    grad_clip: float = setting(1.0, "clip the gradients' norm to this (0: no clipping)")
+    own_loss_weight: float = setting(
+        0.5,
+        "with an ∞-gram mixture, the loss adds this times the model's own (unmixed) loss, so "
+        "the model stays a good predictor where the ∞-gram is weak",
+        before=0.0,
+    )
+    checkpoint_every: int = setting(200, "steps between checkpoints", resumable=True)
+    log_every: int = setting(10, "steps between metrics records", resumable=True)
+    compile: bool = setting(False, "torch.compile the model")
+
+    def _check_schedule(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}")
-        self._check_exchange()
-        self._check_optimizer()
-        self._check_diloco()
-        self._check_steps()
+        if self.grad_clip < 0:
+            raise ConfigError("grad_clip must be 0 (no clipping) or more")
+        for name in ("max_steps", "checkpoint_every", "log_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1")
+        if not 0 <= self.own_loss_weight < float("inf"):
+            raise ConfigError("own_loss_weight must be a finite number >= 0")
+
+
+@dataclass
+class OptimizerSettings:
+    """Optimizer: AdamW or GaLore, and where its state lives"""
+
+    optimizer: str = setting("adamw", "adamw, or GaLore's", OPTIMIZERS)
+    weight_decay: float = setting(0.1, "AdamW's weight decay")
+    beta1: float = setting(0.9, "AdamW's beta1")
+    beta2: float = setting(0.95, "AdamW's beta2")
+    galore_rank: float = setting(0.25, "GaLore: rank, or a fraction of the width")
+    galore_gap: int = setting(200, "GaLore: steps between projections")
+    galore_scale: float = setting(0.25, "GaLore: scale of the update")
+    offload: str = setting("none", "optimizer state (and master weights) on the CPU", OFFLOADS)
+    per_layer_update: bool = setting(
+        False, "step each parameter inside the backward and free its gradient"
+    )
+
+    def _check_optimizer(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}")
+        if self.optimizer != "adamw" and self.comm == "demo":
+            raise ConfigError(
+                f"comm demo is an optimizer of its own; optimizer {self.optimizer} needs another "
+                "comm (allreduce, onebit or powersgd)"
+            )
+        if self.offload not in OFFLOADS:
+            raise ConfigError(f"offload must be one of {', '.join(OFFLOADS)}")
+        if self.offload != "none" and self.comm == "demo":
+            raise ConfigError("comm demo exchanges its momentum on the device: use offload none")
+        if self.galore_rank <= 0 or self.galore_gap < 1:
+            raise ConfigError("galore_rank must be above 0 and galore_gap at least 1")
+        if self.per_layer_update and (
+            self.grad_accum != 1
+            or self.grad_clip
+            or self.comm != "allreduce"
+            or self.offload != "none"
+        ):
+            raise ConfigError(
+                "per_layer_update steps each parameter during the backward, before the whole "
+                "gradient exists: it needs grad_accum 1, grad_clip 0, comm allreduce on one "
+                "process and offload none"
+            )
+
+
+@dataclass
+class ExchangeSettings:
+    """Gradient exchange: how torchrun's processes agree each step"""
+
+    comm: str = setting(
+        "allreduce", "the exchange (teralm.train.distributed): all-reduce, 1-bit, PowerSGD or DeMo",
+        COMMS,
+    )  # fmt: skip
+    demo_chunk: int = setting(64, "DeMo: chunk size of the DCT")
+    demo_topk: int = setting(32, "DeMo: components sent per chunk")
+    demo_beta: float = setting(0.999, "DeMo: momentum")
+    onebit_warmup: int = setting(50, "1-bit: steps of plain all-reduce first")
+    onebit_block: int = setting(256, "1-bit: values sharing one scale")
+    onebit_target: str = setting(
+        "momentum",
+        "1-bit: what the messages carry (momentum: AdamW's, its second moment frozen after the "
+        "warm-up, 1-bit Adam's way)",
+        ONEBIT_TARGETS,
+        before="gradient",
+    )
+    powersgd_rank: int = setting(4, "PowerSGD: rank of its factors")
+    powersgd_warmup: int = setting(10, "PowerSGD: steps of plain all-reduce first")
 
     def _check_exchange(self) -> None:
-        """The gradient exchange's settings (comm, DeMo, 1-bit, PowerSGD)."""
         if self.comm not in COMMS:
             raise ConfigError(f"comm must be one of {', '.join(COMMS)}, not {self.comm!r}")
         if self.demo_chunk < 1 or self.demo_topk < 1:
@@ -136,22 +195,25 @@ class TrainConfig:
         if self.powersgd_rank < 1 or self.powersgd_warmup < 2:
             raise ConfigError("powersgd_rank must be at least 1 and powersgd_warmup at least 2")
 
-    def _check_optimizer(self) -> None:
-        """The optimizer and where its state lives, against the exchange."""
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}")
-        if self.optimizer != "adamw" and self.comm == "demo":
-            raise ConfigError(
-                f"comm demo is an optimizer of its own; optimizer {self.optimizer} needs another "
-                "comm (allreduce, onebit or powersgd)"
-            )
-        if self.offload not in OFFLOADS:
-            raise ConfigError(f"offload must be one of {', '.join(OFFLOADS)}")
-        if self.offload != "none" and self.comm == "demo":
-            raise ConfigError("comm demo exchanges its momentum on the device: use offload none")
+
+@dataclass
+class DilocoSettings:
+    """DiLoCo (--mode diloco): workers that train apart and meet seldom"""
+
+    mode: str = setting("sync", "sync (torchrun data-parallel) or diloco", MODES)
+    replicas: int = setting(1, "workers the global batch is split over")
+    inner_steps: int = setting(50, "steps between rounds")
+    outer_lr: float = setting(0.7, "outer SGD learning rate")
+    outer_momentum: float = setting(0.9, "outer Nesterov momentum")
+    outer_compress: str = setting("none", "pseudo-gradients sent as", OUTER_COMPRESSIONS)
+    outer_async: float = setting(
+        0.0,
+        "0: synchronous rounds; S <= 0.5: apply the previous round's mean times S while the "
+        "next round's exchange is in flight (TScale's async mode)",
+    )
+    min_replicas: int = setting(1, "live workers a round needs")
 
     def _check_diloco(self) -> None:
-        """The mode, and DiLoCo's outer loop."""
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
         if self.outer_compress not in OUTER_COMPRESSIONS:
@@ -162,57 +224,58 @@ class TrainConfig:
             raise ConfigError("outer_lr must be above 0 and outer_momentum in [0, 1)")
         if min(self.inner_steps, self.replicas, self.min_replicas) < 1:
             raise ConfigError("inner_steps, replicas and min_replicas must be at least 1")
-        if self.mode == "diloco":
-            if self.comm != "allreduce":
-                raise ConfigError(
-                    "mode diloco exchanges pseudo-gradients (outer_compress), not gradients: "
-                    "leave comm at allreduce"
-                )
-            if self.batch_size % self.replicas:
-                raise ConfigError(
-                    f"batch_size {self.batch_size} (the global batch) is not a multiple of the "
-                    f"{self.replicas} replicas"
-                )
-            if self.checkpoint_every % self.inner_steps:
-                raise ConfigError(
-                    f"checkpoint_every {self.checkpoint_every} must be a multiple of inner_steps "
-                    f"{self.inner_steps} (checkpoints are taken when the workers agree)"
-                )
-
-    def _check_steps(self) -> None:
-        """The step itself: clipping, per-layer updates, GaLore, sizes, index dropout."""
-        if self.grad_clip < 0:
-            raise ConfigError("grad_clip must be 0 (no clipping) or more")
-        if self.per_layer_update and (
-            self.grad_accum != 1
-            or self.grad_clip
-            or self.comm != "allreduce"
-            or self.offload != "none"
-        ):
+        if self.mode != "diloco":
+            return
+        if self.comm != "allreduce":
             raise ConfigError(
-                "per_layer_update steps each parameter during the backward, before the whole "
-                "gradient exists: it needs grad_accum 1, grad_clip 0, comm allreduce on one "
-                "process and offload none"
+                "mode diloco exchanges pseudo-gradients (outer_compress), not gradients: "
+                "leave comm at allreduce"
             )
-        if self.galore_rank <= 0 or self.galore_gap < 1:
-            raise ConfigError("galore_rank must be above 0 and galore_gap at least 1")
-        for name in (
-            "batch_size",
-            "seq_len",
-            "grad_accum",
-            "max_steps",
-            "holdout_every",
-            "checkpoint_every",
-            "log_every",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1")
-        if not 0 <= self.own_loss_weight < float("inf"):
-            raise ConfigError("own_loss_weight must be a finite number >= 0")
-        if not 0 <= self.index_dropout <= 1:
-            raise ConfigError("index_dropout must be between 0 and 1")
-        if self.dropout_features not in DROPOUT_FEATURES:
-            raise ConfigError(f"dropout_features must be one of {', '.join(DROPOUT_FEATURES)}")
+        if self.batch_size % self.replicas:
+            raise ConfigError(
+                f"batch_size {self.batch_size} (the global batch) is not a multiple of the "
+                f"{self.replicas} replicas"
+            )
+        if self.checkpoint_every % self.inner_steps:
+            raise ConfigError(
+                f"checkpoint_every {self.checkpoint_every} must be a multiple of inner_steps "
+                f"{self.inner_steps} (checkpoints are taken when the workers agree)"
+            )
+
+
+SETTING_GROUPS = (
+    DataSettings,
+    ScheduleSettings,
+    OptimizerSettings,
+    ExchangeSettings,
+    DilocoSettings,
+)
+
+
+@dataclass
+class TrainConfig(
+    DilocoSettings, ExchangeSettings, OptimizerSettings, ScheduleSettings, DataSettings
+):
+    """How to train: the settings of every group in ``SETTING_GROUPS`` (saved and written in
+    config files as one flat ``[train]`` table), each group checking its own."""
+
+    def __post_init__(self) -> None:
+        self._check_data()
+        self._check_schedule()
+        self._check_exchange()
+        self._check_optimizer()
+        self._check_diloco()
+
+
+def settings_added_since() -> dict:
+    """The training settings added after the first runs, with the value that means "as runs
+    trained before them"."""
+    return {f.name: f.metadata["before"] for f in fields(TrainConfig) if "before" in f.metadata}
+
+
+def resumable_settings() -> set[str]:
+    """The training settings a resumed run may change (its length and bookkeeping)."""
+    return {f.name for f in fields(TrainConfig) if f.metadata["resumable"]}
 
 
 @dataclass
@@ -228,7 +291,7 @@ class RunConfig:
         """A run's saved config. A setting added after the run was saved takes the value that
         reproduces how the run trained, not today's default."""
         check_shape(data)
-        train = {**ADDED_SINCE, **data.get("train", {})}
+        train = {**settings_added_since(), **data.get("train", {})}
         return cls.from_dict({**data, "train": train})
 
     @classmethod
