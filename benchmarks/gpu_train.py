@@ -12,6 +12,7 @@ Needs a CUDA GPU; fp8 uses torch._scaled_mm on compute capability >= 8.9.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import subprocess
 import sys
 import time
@@ -47,7 +48,7 @@ def run(index, shape: str, precision: str, steps: int, compile_model: bool) -> d
     forward = torch.compile(model) if compile_model else model
     train_cfg = TrainConfig(batch_size=32, seq_len=1024, lr=6e-4 if shape == "1b" else 1.5e-3)
     optimizer = make_optimizer(model, train_cfg)
-    sampler = FragmentSampler(index, 1024, 32, seed=0, holdout_every=50)
+    sampler = FragmentSampler(index, dataclasses.replace(train_cfg, index_dropout=0.0))
     torch.cuda.reset_peak_memory_stats()
     losses, timed_from, began = [], 10, 0.0
     for step in range(steps):

@@ -77,9 +77,11 @@ def measure(ix: Index, contexts: list[np.ndarray]) -> dict:
 
 def sampler_speed(ix: Index, batches: int) -> dict:
     """Training batches with the ∞-gram counts, as ``teralm train`` draws them."""
+    from teralm.train.config import DataSettings
     from teralm.train.data import FragmentSampler
 
-    sampler = FragmentSampler(ix, 256, 16, seed=0, holdout_every=100, infgram=True)
+    data = DataSettings(seq_len=256, batch_size=16, holdout_every=100, index_dropout=0.0)
+    sampler = FragmentSampler(ix, data, infgram=True)
     sampler.batch(0)
     faults0, read0 = disk_counters()
     began = time.perf_counter()

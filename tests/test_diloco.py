@@ -129,13 +129,7 @@ def averaging_reference(ix, config: RunConfig, workers: int) -> dict[str, torch.
         torch.manual_seed(cfg.seed)
         models.append(Transformer(config.model))
         optimizers.append(make_optimizer(models[-1], cfg))
-        samplers.append(
-            FragmentSampler(
-                ix, cfg.seq_len, cfg.batch_size // workers, cfg.seed, cfg.holdout_every,
-                infgram=True, index_dropout=cfg.index_dropout,
-                dropout_features=cfg.dropout_features, rank=r, world=workers,
-            )
-        )  # fmt: skip
+        samplers.append(FragmentSampler(ix, cfg, infgram=True, share=(r, workers)))
     shared = {k: v.detach().clone() for k, v in models[0].named_parameters()}
     for step in range(cfg.max_steps):
         for model, optimizer, sampler in zip(models, optimizers, samplers):

@@ -103,14 +103,7 @@ def union_reference(ix, config: RunConfig, world: int) -> dict[str, torch.Tensor
     torch.manual_seed(cfg.seed)
     model = Transformer(config.model)
     optimizer = make_optimizer(model, cfg)
-    samplers = [
-        FragmentSampler(
-            ix, cfg.seq_len, cfg.batch_size // world, cfg.seed, cfg.holdout_every,
-            infgram=True, index_dropout=cfg.index_dropout,
-            dropout_features=cfg.dropout_features, rank=r, world=world,
-        )
-        for r in range(world)
-    ]  # fmt: skip
+    samplers = [FragmentSampler(ix, cfg, infgram=True, share=(r, world)) for r in range(world)]
     for step in range(cfg.max_steps):
         reference_step(model, optimizer, cfg, step, [s.batch(step) for s in samplers])
     return {k: v.detach() for k, v in model.state_dict().items()}

@@ -18,6 +18,7 @@ from test_features import doc_ids_of
 
 from teralm.kernels.fragment import fragment_features
 from teralm.kernels.match import doc_start_bits
+from teralm.train.config import DataSettings
 from teralm.train.data import FragmentSampler, prefetched, training_spans
 from teralm.train.evaluate import causal_infgram
 
@@ -48,7 +49,9 @@ def corpus(tmp_path_factory):
 def test_fragments_avoid_held_out_documents(corpus):
     ix = corpus
     doc_ids = doc_ids_of(ix)
-    sampler = FragmentSampler(ix, seq_len=16, batch_size=8, seed=3, holdout_every=5)
+    sampler = FragmentSampler(
+        ix, DataSettings(seq_len=16, batch_size=8, seed=3, holdout_every=5, index_dropout=0.0)
+    )
     spans = training_spans(ix, 5)
     allowed = np.zeros(ix.num_tokens, dtype=bool)
     for a, b in spans:
@@ -64,15 +67,18 @@ def test_fragments_avoid_held_out_documents(corpus):
                 if (x[s : s + 16] == row).all() and (x[s + 1 : s + 17] == target).all()
             ]
             assert any(allowed[s : s + 17].all() for s in hits)
-    again = FragmentSampler(ix, seq_len=16, batch_size=8, seed=3, holdout_every=5)
+    again = FragmentSampler(
+        ix, DataSettings(seq_len=16, batch_size=8, seed=3, holdout_every=5, index_dropout=0.0)
+    )
     assert (again.batch(7).tokens == sampler.batch(7).tokens).all()
 
 
 def test_index_dropout_hides_features_of_whole_fragments(corpus):
     ix = corpus
-    args = dict(seq_len=16, batch_size=8, seed=3, holdout_every=5, infgram=True)
-    plain = FragmentSampler(ix, **args)
-    dropping = FragmentSampler(ix, index_dropout=0.5, dropout_features="none", **args)
+    shape = dict(seq_len=16, batch_size=8, seed=3, holdout_every=5)
+    plain = FragmentSampler(ix, DataSettings(**shape, index_dropout=0.0), infgram=True)
+    hiding = DataSettings(**shape, index_dropout=0.5, dropout_features="none")
+    dropping = FragmentSampler(ix, hiding, infgram=True)
     dropped_rows = kept_rows = 0
     for step in range(10):
         a, b = plain.batch(step), dropping.batch(step)
@@ -87,10 +93,7 @@ def test_index_dropout_hides_features_of_whole_fragments(corpus):
                 kept_rows += 1
     assert dropped_rows > 10 and kept_rows > 10
     assert (
-        dropping.batch(4).match_len
-        == FragmentSampler(ix, index_dropout=0.5, dropout_features="none", **args)
-        .batch(4)
-        .match_len
+        dropping.batch(4).match_len == FragmentSampler(ix, hiding, infgram=True).batch(4).match_len
     ).all()
 
 
@@ -98,8 +101,9 @@ def test_index_dropout_shows_fragments_against_themselves(corpus):
     """With ``dropout_features = "self"``, a dropped fragment's features and ∞-gram are those of
     the fragment alone (document starts inside it included); the others keep the index's."""
     ix = corpus
-    args = dict(seq_len=16, batch_size=8, seed=3, holdout_every=5, infgram=True)
-    plain, dropping = FragmentSampler(ix, **args), FragmentSampler(ix, index_dropout=0.5, **args)
+    shape = dict(seq_len=16, batch_size=8, seed=3, holdout_every=5)
+    plain = FragmentSampler(ix, DataSettings(**shape, index_dropout=0.0), infgram=True)
+    dropping = FragmentSampler(ix, DataSettings(**shape, index_dropout=0.5), infgram=True)
     x = ix.tokens(0, ix.num_tokens)
     bits = doc_start_bits(np.asarray(ix.offsets), ix.num_tokens)
     dropped = kept = 0
@@ -313,11 +317,11 @@ def test_prefetched_batches_are_the_samplers_in_order(corpus, background):
     """Where a batch is made (a background thread, or the foreground with the ∞-gram counts
     in worker threads) changes when it is made, not what it holds; closing early stops
     cleanly."""
-    plain = FragmentSampler(corpus, 16, 3, seed=5, holdout_every=5, infgram=True)
-    threaded = FragmentSampler(
-        corpus, 16, 3, seed=5, holdout_every=5, infgram=True, index_dropout=0.3, workers=3
-    )
-    alone = FragmentSampler(corpus, 16, 3, seed=5, holdout_every=5, infgram=True, index_dropout=0.3)
+    shape = dict(seq_len=16, batch_size=3, seed=5, holdout_every=5)
+    plain = FragmentSampler(corpus, DataSettings(**shape, index_dropout=0.0), infgram=True)
+    dropping = DataSettings(**shape, index_dropout=0.3)
+    threaded = FragmentSampler(corpus, dropping, infgram=True, workers=3)
+    alone = FragmentSampler(corpus, dropping, infgram=True)
     keys = [(step, micro) for step in range(4) for micro in range(2)]
     for sampler, reference in ((plain, plain), (threaded, alone)):
         for key, batch in zip(keys, prefetched(sampler, keys, background), strict=True):

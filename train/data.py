@@ -20,6 +20,7 @@ from teralm.errors import ConfigError
 from teralm.index import Index
 from teralm.index.query import EXACT_LIMIT
 from teralm.kernels.fragment import fragment_features
+from teralm.train.config import DataSettings
 
 # Training's ∞-gram counts sample contexts past this many occurrences, where serving and
 # evaluation sample past EXACT_LIMIT: on pydocs a batch's counts cost a fifth less, and the
@@ -101,41 +102,40 @@ def causal_infgram(
 
 
 class FragmentSampler:
-    """Deterministic random fragments of ``seq_len + 1`` tokens from the training spans.
+    """Deterministic random fragments of ``seq_len + 1`` tokens from the training spans, as
+    the ``data`` settings say (teralm.train.config.DataSettings), with the ∞-gram counts of
+    their targets when ``infgram``.
 
     A fraction ``index_dropout`` of the fragments, drawn per batch, come as text the index has
     never seen would: ``dropout_features = "self"``, with features and ∞-gram counts made
     against the fragment's own earlier text alone (``teralm.kernels.fragment``); ``"none"``,
-    with none at all (as runs trained before the choice existed). Process
-    ``rank`` of ``world`` draws its own ``batch_size`` fragments, determined by (seed, step,
-    micro-batch, rank, world); one process draws as it always has, by (seed, step, micro).
+    with none at all (as runs trained before the choice existed). Process ``rank`` of
+    ``world`` (``share``) draws its own ``batch_size / world`` fragments, determined by (seed,
+    step, micro-batch, rank, world); one process draws as it always has, by (seed, step, micro).
     The fragments' ∞-gram counts are made in ``workers`` threads (the kernels release the GIL);
     the batch does not depend on their number."""
 
     def __init__(
         self,
         ix: Index,
-        seq_len: int,
-        batch_size: int,
-        seed: int,
-        holdout_every: int,
+        data: DataSettings,
         infgram: bool = False,
-        index_dropout: float = 0.0,
-        dropout_features: str = "self",
-        rank: int = 0,
-        world: int = 1,
+        share: tuple[int, int] = (0, 1),
         workers: int = 1,
     ):
-        self.ix, self.seq_len, self.batch_size, self.seed = ix, seq_len, batch_size, seed
+        rank, world = share
+        self.ix, self.seq_len, self.seed = ix, data.seq_len, data.seed
+        self.batch_size = data.batch_size // world
         self.key = [] if world == 1 else [rank, world]
-        self.infgram, self.index_dropout = infgram, index_dropout
-        self.dropout_features = dropout_features
-        self_features = index_dropout > 0 and dropout_features == "self"
+        self.infgram, self.index_dropout = infgram, data.index_dropout
+        self.dropout_features = data.dropout_features
+        seq_len = data.seq_len
+        self_features = data.index_dropout > 0 and data.dropout_features == "self"
         self.doc_bits = ix.query.doc_bits if self_features else None
         self.pool = None
         if infgram and workers > 1:
             self.pool = ThreadPoolExecutor(workers, thread_name_prefix="teralm-infgram")
-        spans = training_spans(ix, holdout_every)
+        spans = training_spans(ix, data.holdout_every)
         room = spans[:, 1] - spans[:, 0] - seq_len  # fragment starts per span
         self.spans = spans[room > 0]
         self.cumulative = np.cumsum(room[room > 0])

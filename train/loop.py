@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import json
 import math
 import sys
@@ -219,14 +220,12 @@ class Trainer:
 
     def _sampler(self) -> FragmentSampler:
         """This process's share of every batch."""
-        cfg, sync = self.cfg, self.sync
-        return FragmentSampler(
-            self.ix, cfg.seq_len, cfg.batch_size // sync.parts, cfg.seed, cfg.holdout_every,
-            infgram=self.model.mixture_gate is not None,
-            index_dropout=cfg.index_dropout if self.config.model.index_input else 0.0,
-            dropout_features=cfg.dropout_features, rank=sync.part, world=sync.parts,
-            workers=torch.get_num_threads(),
-        )  # fmt: skip
+        data = self.cfg
+        if not self.config.model.index_input:  # nothing to drop
+            data = dataclasses.replace(data, index_dropout=0.0)
+        infgram = self.model.mixture_gate is not None
+        share = (self.sync.part, self.sync.parts)
+        return FragmentSampler(self.ix, data, infgram, share, torch.get_num_threads())
 
     def announce(self, show: bool) -> None:
         """The precision (and the processes) on stderr; a slow precision's warning."""
