@@ -63,6 +63,21 @@ class Probability:
 
 
 @dataclass
+class Followers:
+    """Next-token counts of contexts at several lengths (``QueryEngine.causal_followers``).
+
+    Per context and length cap, ``lengths``: the length of the suffix counted (0: none occurs
+    earlier), and ``totals``: its occurrences counted, ``(contexts, caps)``; ``tokens`` and
+    ``counts``: its most frequent followers, most frequent first, ``(contexts, caps, k)``
+    (-1 and 0 past the last)."""
+
+    lengths: np.ndarray
+    totals: np.ndarray
+    tokens: np.ndarray
+    counts: np.ndarray
+
+
+@dataclass
 class Lookup:
     """One context's longest match (``length`` tokens, ``count`` occurrences), the tokens that
     follow it with their counts (most frequent first), and documents that hold it."""
@@ -201,6 +216,40 @@ class QueryEngine:
             np.asarray(limits, dtype=np.int64),
             np.asarray(targets, dtype=np.int64),
             exact_limit,
+        )
+
+    def causal_followers(
+        self, text, begins, ends, limits, caps, k: int, exact_limit: int = EXACT_LIMIT
+    ) -> Followers:
+        """Per context ``text[begins[c]:ends[c]]``, which ends just before position
+        ``limits[c]``, and per length cap in ``caps`` (longest first): the longest suffix of at
+        most that many tokens that occurs followed by a token before ``limits[c]``, and its
+        ``k`` most frequent followers there; see ``teralm.kernels.query.causal_followers``. A
+        limit past the corpus's end counts every occurrence (text the index does not hold)."""
+        caps = np.asarray(caps, dtype=np.int64)
+        if len(caps) == 0 or caps.min() < 1 or (np.diff(caps) > 0).any():
+            raise InputError(
+                f"caps must be one or more lengths of 1 or more, longest first: {caps}"
+            )
+        if k < 1:
+            raise InputError(f"k must be at least 1, not {k}")
+        return Followers(
+            *self._run(
+                kq.causal_followers,
+                self.corpus,
+                self.elem_bits,
+                fmt.KEY_SAMPLE,
+                self.doc_bits,
+                self.separator,
+                self.index.vocab_size,
+                np.asarray(text, dtype=np.int64),
+                np.asarray(begins, dtype=np.int64),
+                np.asarray(ends, dtype=np.int64),
+                np.asarray(limits, dtype=np.int64),
+                caps,
+                k,
+                exact_limit,
+            )
         )
 
     def longest_match(self, contexts) -> MatchResult:

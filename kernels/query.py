@@ -662,3 +662,122 @@ def causal_counts(
                 break
             length -= 1
     return out
+
+
+@njit(cache=True)
+def _tally_followers(corpus, found, count, stride, limit, separator, tally, seen, n_seen):
+    """Add to ``tally`` the followers of the occurrences in the rank ranges ``found[:count]``
+    (taken as one list, of which every ``stride``-th counts ``stride`` times) that end at
+    positions ``p`` with ``p + 1 < limit``; tokens counted for the first time are appended to
+    ``seen``. Returns (the occurrences counted, the new length of ``seen``)."""
+    follow = corpus[6]
+    total, passed = 0, 0
+    for r in range(count):
+        lo, hi = found[r, 0], found[r, 1]
+        for i in range(lo + (-passed) % stride, hi, stride):
+            f = follow[i]
+            if f == separator or _position(corpus, i) + 1 >= limit:
+                continue
+            if f >= len(tally):
+                raise IndexDamaged(FOLLOW_OUT_OF_RANGE)
+            if tally[f] == 0:
+                seen[n_seen] = f
+                n_seen += 1
+            tally[f] += stride
+            total += stride
+        passed += hi - lo
+    return total, n_seen
+
+
+@njit(cache=True)
+def _take_top(tally, seen, n_seen, tokens, counts):
+    """The ``len(tokens)`` most counted tokens of ``seen[:n_seen]`` (ties: the smaller token
+    first) with their counts, into ``tokens`` and ``counts`` (-1 and 0 past the last); clears
+    ``tally``."""
+    for slot in range(len(tokens)):
+        best = -1
+        for j in range(n_seen):
+            t = seen[j]
+            c = tally[t]
+            if c > 0 and (best < 0 or c > tally[best] or (c == tally[best] and t < best)):
+                best = t
+        if best < 0:
+            tokens[slot], counts[slot] = -1, 0
+        else:
+            tokens[slot], counts[slot] = best, tally[best]
+            tally[best] = -tally[best]  # taken
+    for j in range(n_seen):
+        tally[seen[j]] = 0
+
+
+@njit(cache=True, nogil=True)
+def causal_followers(
+    corpus,
+    elem_bits,
+    sample,
+    doc_bits,
+    separator,
+    vocab,
+    ctx,
+    begins,
+    ends,
+    limits,
+    caps,
+    k,
+    exact_limit,
+):
+    """The next-token counts of position ``limits[c]`` seeing only earlier text, at several
+    context lengths: for the context ``ctx[begins[c]:ends[c]]`` (which ends just before
+    ``limits[c]``) and each cap in ``caps`` (longest first), the longest suffix of at most
+    that many tokens with an occurrence ending at a position ``p`` with ``p + 1 < limits[c]``
+    and a follower in its document, and the ``k`` followers of those occurrences counted most
+    often (ties: the smaller token first).
+
+    Returns ``(lengths, totals, tokens, counts)``: per context and cap, the suffix's length (0:
+    no earlier occurrence at all), its counted occurrences, and the top ``k`` followers and
+    their counts (-1 and 0 past the last). Sampled as ``causal_counts`` samples, with
+    ``exact_limit`` and the rescan of a context whose sample holds nothing earlier."""
+    n_total = _size(corpus)
+    contexts, levels = len(ends), len(caps)
+    lengths = np.zeros((contexts, levels), dtype=np.int64)
+    totals = np.zeros((contexts, levels), dtype=np.int64)
+    tokens = np.full((contexts, levels, k), -1, dtype=np.int64)
+    counts = np.zeros((contexts, levels, k), dtype=np.int64)
+    tally = np.zeros(vocab, dtype=np.int64)
+    seen = np.empty(vocab, dtype=np.int64)
+    parts = np.empty((4, 6), dtype=np.int64)
+    found = np.empty((16, 2), dtype=np.int64)
+    searched = _global_searches(
+        corpus, doc_bits, separator, n_total, elem_bits, sample, ctx, begins, ends
+    )
+    for c in range(contexts):
+        end = ends[c]
+        m = _matchable(ctx, begins[c], end, separator)
+        reach, used, parts = _match(
+            corpus, doc_bits, separator, n_total, elem_bits, ctx, end, m, searched[c], parts
+        )
+        for level in range(levels):
+            length = min(reach, caps[level])
+            while length > 0:
+                count, found = _ranges_at(
+                    corpus, doc_bits, separator, n_total, elem_bits, ctx, end, length, parts,
+                    used, found,
+                )  # fmt: skip
+                occurrences = 0
+                for r in range(count):
+                    occurrences += found[r, 1] - found[r, 0]
+                stride = max(1, (occurrences + exact_limit - 1) // exact_limit)
+                total, n_seen = _tally_followers(
+                    corpus, found, count, stride, limits[c], separator, tally, seen, 0
+                )
+                if total == 0 and stride > 1 and occurrences <= RESCAN_FACTOR * exact_limit:
+                    total, n_seen = _tally_followers(
+                        corpus, found, count, 1, limits[c], separator, tally, seen, 0
+                    )
+                if total > 0:
+                    lengths[c, level], totals[c, level] = length, total
+                    _take_top(tally, seen, n_seen, tokens[c, level], counts[c, level])
+                    break
+                length -= 1
+            reach = length  # nothing longer occurs earlier: the shorter caps start from here
+    return lengths, totals, tokens, counts

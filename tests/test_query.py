@@ -310,6 +310,89 @@ def test_causal_counts_equal_brute_force(corpus):
         assert (length, total, hits) == want, (context, limit)
 
 
+def brute_followers(x, doc_ids, context, limit, cap, k):
+    """The longest suffix of ``context`` (at most ``cap`` tokens) seen followed by a token
+    before ``limit``: (its length, occurrences, its k most frequent followers with counts)."""
+    for size in range(min(len(context), cap), 0, -1):
+        ends = [
+            p
+            for p in occurrences(x, doc_ids, context[len(context) - size :])
+            if p + 1 < limit and has_follower(doc_ids, p)
+        ]
+        if ends:
+            counts = Counter(int(x[p + 1]) for p in ends)
+            return size, len(ends), sorted(counts.items(), key=lambda tc: (-tc[1], tc[0]))[:k]
+    return 0, 0, []
+
+
+def contexts_before(x, doc_ids, limits, longest=40):
+    """Each limit's context inside its document (at most ``longest`` tokens), laid end to end:
+    (contexts, text, begins, ends)."""
+    contexts = []
+    for t in limits:
+        start = t - 1
+        while start > 0 and doc_ids[start - 1] == doc_ids[t - 1] and t - start < longest:
+            start -= 1
+        contexts.append([int(v) for v in x[start:t]])
+    ends = np.cumsum([len(c) for c in contexts])
+    return contexts, [v for c in contexts for v in c], ends - [len(c) for c in contexts], ends
+
+
+def check_followers(got, c, level, want, k):
+    length, total, top = want
+    assert (got.lengths[c, level], got.totals[c, level]) == (length, total)
+    tokens = [t for t, _ in top] + [-1] * (k - len(top))
+    counts = [n for _, n in top] + [0] * (k - len(top))
+    assert got.tokens[c, level].tolist() == tokens and got.counts[c, level].tolist() == counts
+
+
+def test_causal_followers_equal_brute_force(corpus):
+    """The top followers of a position's context at several lengths, seeing only earlier text
+    (the index input beyond the one stored follower), and with a limit past the corpus's end,
+    seeing all of it (as serving does)."""
+    ix, rng = corpus
+    x, doc_ids = ix.tokens(0, ix.num_tokens), doc_ids_of(ix)
+    limits = [int(t) for t in rng.integers(1, ix.num_tokens, size=50)] + [ix.num_tokens + 5] * 5
+    contexts, text, begins, ends = contexts_before(x, doc_ids, limits[:50])
+    tail = [[int(v) for v in x[a : a + int(rng.integers(1, 12))]] for a in rng.integers(0, 400, 5)]
+    contexts += tail
+    text += [v for c in tail for v in c]
+    ends = np.cumsum([len(c) for c in contexts])
+    begins = ends - [len(c) for c in contexts]
+    caps, k = [32, 8, 3], 3
+    got = ix.query.causal_followers(text, begins, ends, limits, caps, k)
+    assert got.tokens.shape == (len(contexts), len(caps), k)
+    for c, (context, limit) in enumerate(zip(contexts, limits)):
+        for level, cap in enumerate(caps):
+            check_followers(got, c, level, brute_followers(x, doc_ids, context, limit, cap, k), k)
+
+
+@pytest.mark.parametrize("shard_tokens", [1 << 20, 37])
+def test_causal_followers_see_nothing_at_or_after_their_position(tmp_path, shard_tokens):
+    """Two corpora that agree before position t (documents alike, tokens from t on redrawn)
+    give every position up to t the same followers, in one shard or in many."""
+    rng = np.random.default_rng(7)
+    docs = random_documents(rng, 14, max_len=80)
+    t = len("".join(docs[:7])) + 5
+    flat = list("".join(docs))
+    flat[t:] = rng.choice(list("abc"), size=len(flat) - t)
+    cut, changed = 0, []
+    for doc in docs:
+        changed.append("".join(flat[cut : cut + len(doc)]))
+        cut += len(doc)
+    found = []
+    for name, texts in (("a", docs), ("b", changed)):
+        ix = build_docs(tmp_path / name, texts, shard_tokens=shard_tokens)
+        x, doc_ids = ix.tokens(0, ix.num_tokens), doc_ids_of(ix)
+        limits = [p for p in range(1, t + 1) if doc_ids[p] == doc_ids[p - 1]]
+        contexts, text, begins, ends = contexts_before(x, doc_ids, limits)
+        found.append(ix.query.causal_followers(text, begins, ends, limits, [16, 4], 4))
+        assert (len(ix.manifest["shards"]) == 1) == (shard_tokens > ix.num_tokens)
+    for a, b in zip(vars(found[0]).values(), vars(found[1]).values()):
+        np.testing.assert_array_equal(a, b)
+    assert (found[0].lengths > 0).mean() > 0.5
+
+
 def test_earlier_followers_scan_equals_numpy_at_both_order_widths(corpus):
     """The causal counts' scan over a rank range, on 4-byte positions (read as words) and the
     same order written 5 bytes a position (read byte by byte), against numpy."""

@@ -19,7 +19,7 @@ from test_features import doc_ids_of
 from teralm.kernels.fragment import fragment_features
 from teralm.kernels.match import doc_start_bits
 from teralm.train.config import DataSettings
-from teralm.train.data import FragmentSampler, prefetched, training_spans
+from teralm.train.data import FragmentSampler, causal_followers, prefetched, training_spans
 from teralm.train.evaluate import causal_infgram
 
 TINY = """
@@ -152,6 +152,45 @@ def test_causal_infgram_equals_brute_force(corpus):
         for i, t in enumerate(range(start + 1, stop)):
             _, want_total, want_hits = brute_causal(x, doc_ids, t, int(lengths[t - 1]))
             assert (total[i], hits[i]) == (want_total, want_hits), (doc, t)
+
+
+def test_causal_followers_of_batches_equal_brute_force(corpus):
+    """A document's targets' top followers at each length cap, from their stored matches and
+    seeing only earlier text, against a scan of the corpus."""
+    ix = corpus
+    x, doc_ids = ix.tokens(0, ix.num_tokens), doc_ids_of(ix)
+    lengths = ix.features(0, ix.num_tokens).match_len
+    caps, k = (32, 6, 2), 3
+    for doc in range(0, ix.num_documents, 7):
+        start, stop = ix.document_range(doc)
+        if stop - start < 3:
+            continue
+        got = causal_followers(ix, start + 1, stop - start - 1, start, caps, k)
+        for i, t in enumerate(range(start + 1, stop)):
+            for level, cap in enumerate(caps):
+                size, total, top = brute_causal_followers(x, doc_ids, t, int(lengths[t - 1]), cap)
+                assert (got.lengths[i, level], got.totals[i, level]) == (size, total), (t, cap)
+                want = [tc for tc in top[:k]] + [(-1, 0)] * (k - len(top[:k]))
+                assert (
+                    list(zip(got.tokens[i, level].tolist(), got.counts[i, level].tolist())) == want
+                )
+
+
+def brute_causal_followers(x, doc_ids, t, length, cap):
+    """The longest suffix (at most ``min(length, cap)`` tokens) of the context before t seen
+    ending at p, p + 1 < t, followed inside its document: (size, total, followers by count)."""
+    for m in range(min(length, cap), 0, -1):
+        suffix = list(x[t - m : t])
+        counts: dict[int, int] = {}
+        for p in range(m - 1, t - 1):
+            if doc_ids[p - m + 1] != doc_ids[p] or doc_ids[p + 1] != doc_ids[p]:
+                continue
+            if list(x[p - m + 1 : p + 1]) == suffix:
+                counts[int(x[p + 1])] = counts.get(int(x[p + 1]), 0) + 1
+        if counts:
+            top = sorted(counts.items(), key=lambda tc: (-tc[1], tc[0]))
+            return m, sum(counts.values()), top
+    return 0, 0, []
 
 
 def run_cli(*args, **kwargs):

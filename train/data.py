@@ -18,7 +18,7 @@ import torch
 
 from teralm.errors import ConfigError
 from teralm.index import Index
-from teralm.index.query import EXACT_LIMIT
+from teralm.index.query import EXACT_LIMIT, Followers
 from teralm.kernels.fragment import fragment_features
 from teralm.train.config import DataSettings
 
@@ -77,6 +77,21 @@ def fragment(ix: Index, start: int, length: int) -> tuple[np.ndarray, ...]:
     )
 
 
+def _causal_contexts(
+    ix: Index, first: int, count: int, doc_start: int, lengths: np.ndarray | None
+) -> tuple[np.ndarray, ...]:
+    """The contexts of target positions ``first .. first+count-1``, each its stored longest
+    earlier match (never reaching before ``doc_start``), laid over one stretch of text:
+    ``(text, begins, ends, limits)``, with the first target's token at ``text[ends[0]]``."""
+    if lengths is None:
+        lengths = ix.features(first - 1, first + count - 1).match_len.astype(np.int64)
+    reach = max(doc_start, first - 1 - int(lengths.max(initial=0)))
+    text = ix.tokens(reach, first + count).astype(np.int64)
+    ends = np.arange(first, first + count) - reach  # context of target t ends at t - 1
+    begins = np.maximum(ends - lengths, doc_start - reach)
+    return text, begins, ends, np.arange(first, first + count)
+
+
 def causal_infgram(
     ix: Index,
     first: int,
@@ -90,15 +105,26 @@ def causal_infgram(
     never reaches before ``doc_start``, the scored document's start). ``lengths``: the stored
     match lengths of positions ``first-1 .. first+count-2``, when the caller has them. Counts
     of a context with more than ``exact_limit`` occurrences are sampled (as the server's)."""
-    if lengths is None:
-        lengths = ix.features(first - 1, first + count - 1).match_len.astype(np.int64)
-    reach = max(doc_start, first - 1 - int(lengths.max(initial=0)))
-    text = ix.tokens(reach, first + count).astype(np.int64)
-    ends = np.arange(first, first + count) - reach  # context of target t ends at t - 1
-    begins = np.maximum(ends - lengths, doc_start - reach)
-    limits = np.arange(first, first + count)
+    text, begins, ends, limits = _causal_contexts(ix, first, count, doc_start, lengths)
     out = ix.query.causal_counts(text, begins, ends, limits, text[ends], exact_limit)
     return out[:, 1], out[:, 2]
+
+
+def causal_followers(
+    ix: Index,
+    first: int,
+    count: int,
+    doc_start: int,
+    caps: tuple[int, ...],
+    k: int,
+    lengths: np.ndarray | None = None,
+    exact_limit: int = EXACT_LIMIT,
+) -> Followers:
+    """The ``k`` most frequent followers of target positions ``first .. first+count-1``'s
+    contexts at each length cap in ``caps``, seeing only earlier text (as ``causal_infgram``
+    sees it; ``QueryEngine.causal_followers``)."""
+    text, begins, ends, limits = _causal_contexts(ix, first, count, doc_start, lengths)
+    return ix.query.causal_followers(text, begins, ends, limits, caps, k, exact_limit)
 
 
 class FragmentSampler:
