@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -68,25 +69,27 @@ def free_port() -> int:
 @contextlib.contextmanager
 def serve_process(run: Path, index: Path, *flags) -> Iterator[tuple[int, subprocess.Popen]]:
     """``teralm serve`` of ``run`` with ``index`` on a free local port, once /health answers:
-    yields the port and the process (exits with its stderr if it dies first)."""
+    yields the port and the process (exits with its stderr if it dies first). Its stderr (the
+    access log: a line per request) goes to a file, not a pipe that nobody reads while the load
+    runs, which would block the server once the pipe is full."""
     port = free_port()
     cmd = [*TERALM, "serve", "--index", index, "--run", run, "--port", port, *flags]
-    server = subprocess.Popen(
-        list(map(str, cmd)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        while True:
-            if server.poll() is not None:
-                sys.exit(f"teralm serve failed:\n{server.stderr.read()}")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
-                break
-            except OSError:
-                time.sleep(0.5)
-        yield port, server
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+    with tempfile.TemporaryFile("w+") as log:
+        server = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.DEVNULL, stderr=log)
+        try:
+            while True:
+                if server.poll() is not None:
+                    log.seek(0)
+                    sys.exit(f"teralm serve failed:\n{log.read()}")
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+                    break
+                except OSError:
+                    time.sleep(0.5)
+            yield port, server
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
 
 
 def quality_work(corpus: str) -> Path:
