@@ -20,6 +20,10 @@ class ModelConfig:
     bucket) through a learned gate; off for ablations, with all else equal (it also turns off
     ``index_mixture``). ``index_mixture``: the output mixes the model's next-token distribution
     with the ∞-gram's, with a weight the model computes at every position.
+    ``index_followers``: also feed the ``index_followers`` most frequent followers of the
+    context's last ``follower_cap`` tokens in the index (with their shares, the suffix's length
+    and its count), seeing only earlier text (``teralm.train.data.causal_followers``); 0: off,
+    as every run before it. Scored by ``teralm eval``; not yet served (issue 46).
     ``precision``: arithmetic of every Linear layer in the blocks (see teralm.kernels.fp8), or
     ``auto`` in a config, which training resolves for the machine before it builds the model.
     """
@@ -38,6 +42,8 @@ class ModelConfig:
     index_input: bool = True
     index_mixture: bool = True
     max_match: int = 127
+    index_followers: int = 0
+    follower_cap: int = 8
     precision: str = "fp32"
 
     def __post_init__(self) -> None:
@@ -47,6 +53,10 @@ class ModelConfig:
             raise ConfigError(f"mlp must be relu2 or swiglu, not {self.mlp!r}")
         if self.attention not in ("full", "tscale"):
             raise ConfigError(f"attention must be full or tscale, not {self.attention!r}")
+        if self.index_followers < 0 or self.follower_cap < 1:
+            raise ConfigError("index_followers must be 0 or more and follower_cap at least 1")
+        if self.index_followers and not self.index_input:
+            raise ConfigError("index_followers is part of the index input: it needs index_input")
         if self.precision not in (*PRECISIONS, AUTO):
             raise ConfigError(f"precision must be one of {', '.join((*PRECISIONS, AUTO))}")
 

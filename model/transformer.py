@@ -8,6 +8,8 @@ token and how long the match was (how far to trust it).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -110,8 +112,23 @@ def length_bucket(length: torch.Tensor) -> torch.Tensor:
     return torch.where(length < 4, length, 2 * msb + half)
 
 
+@dataclass
+class FollowerInput:
+    """The index's fuller answer at each position (``ModelConfig.index_followers``): the most
+    frequent followers of the context's last ``follower_cap`` tokens, ``tokens`` [B, T, k]
+    (``vocab_size`` where there are fewer) with their ``shares`` of the suffix's occurrences
+    [B, T, k], the suffix's ``length`` [B, T] (0: none occurs) and occurrence count ``total``."""
+
+    tokens: torch.Tensor
+    shares: torch.Tensor
+    length: torch.Tensor
+    total: torch.Tensor
+
+
 class IndexInput(nn.Module):
-    """Adds the index's features to the token embedding through a learned gate."""
+    """Adds the index's features to the token embedding through a learned gate: the stored
+    follower and match length, and with ``index_followers`` the followers' embeddings weighted
+    by their shares, beside their suffix's length and count."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -119,15 +136,40 @@ class IndexInput(nn.Module):
         self.next_embed = nn.Embedding(cfg.vocab_size + 1, cfg.d_model)  # + "nothing follows"
         self.length_embed = nn.Embedding(buckets, cfg.d_model)
         self.gate = nn.Linear(cfg.d_model, cfg.d_model)
-        for table in (self.next_embed, self.length_embed):
+        tables = [self.next_embed, self.length_embed]
+        if cfg.index_followers:
+            self.follower_embed = nn.Embedding(cfg.vocab_size + 1, cfg.d_model)
+            self.follower_length = nn.Embedding(buckets, cfg.d_model)
+            self.follower_count = nn.Embedding(
+                int(length_bucket(torch.tensor(MAX_COUNT))) + 1, cfg.d_model
+            )
+            tables += [self.follower_embed, self.follower_length, self.follower_count]
+        for table in tables:
             nn.init.normal_(table.weight, std=0.02)
         nn.init.zeros_(self.gate.bias)
         nn.init.normal_(self.gate.weight, std=0.02)
 
-    def forward(self, x: torch.Tensor, next_token: torch.Tensor, match_len: torch.Tensor):
+    def forward(
+        self,
+        x: torch.Tensor,
+        next_token: torch.Tensor,
+        match_len: torch.Tensor,
+        followers: FollowerInput | None = None,
+    ):
         lengths = self.length_embed(length_bucket(match_len))
+        features = self.next_embed(next_token) + lengths
+        if followers is not None:
+            counts = length_bucket(followers.total.clamp(max=MAX_COUNT))
+            weighted = followers.shares.unsqueeze(-1).to(x.dtype) * self.follower_embed(
+                followers.tokens
+            )
+            summary = self.follower_length(length_bucket(followers.length)) + self.follower_count(
+                counts
+            )
+            features = features + weighted.sum(-2) + summary
+            lengths = lengths + summary
         gate = torch.sigmoid(self.gate(x + lengths))
-        return x + gate * (self.next_embed(next_token) + lengths)
+        return x + gate * features
 
 
 def rope_tables(head_dim: int, length: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,11 +338,13 @@ class Transformer(nn.Module):
         match_len: torch.Tensor | None = None,
         with_gate: bool = False,
         infgram_total: torch.Tensor | None = None,
+        followers: FollowerInput | None = None,
     ):
         """Logits [B, T, vocab]; with ``with_gate`` also the mixture gate's logits [B, T] (None
         when the model has no ∞-gram mixture), from the hidden state alone or, given the
-        ∞-gram's ``infgram_total`` counts, whole (``gate_logit``)."""
-        logits, gate = self.head(self.hidden(tokens, next_token, match_len))
+        ∞-gram's ``infgram_total`` counts, whole (``gate_logit``). ``followers``: the index's
+        fuller answer, for a model with ``index_followers``."""
+        logits, gate = self.head(self.hidden(tokens, next_token, match_len, followers))
         if gate is not None and infgram_total is not None:
             gate = self.gate_logit(gate, infgram_total)
         return (logits, gate) if with_gate else logits
@@ -310,6 +354,7 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,
         next_token: torch.Tensor | None = None,
         match_len: torch.Tensor | None = None,
+        followers: FollowerInput | None = None,
     ) -> torch.Tensor:
         """The last block's output [B, T, d_model] (the final norm's input): what ``head``
         turns into logits, and the kNN datastore's key (teralm.index.knn)."""
@@ -318,7 +363,7 @@ class Transformer(nn.Module):
             raise InputError(
                 f"sequence of {T} tokens is longer than max_seq_len {self.cfg.max_seq_len}"
             )
-        x = self._embed(tokens, next_token, match_len)
+        x = self._embed(tokens, next_token, match_len, followers)
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         for block in self.blocks:
             x = block(x, cos, sin)
@@ -351,14 +396,18 @@ class Transformer(nn.Module):
         buckets = length_bucket(infgram_total.clamp(max=MAX_COUNT))
         return gate + self.count_bias(buckets).squeeze(-1).float()
 
-    def _embed(self, tokens, next_token, match_len) -> torch.Tensor:
+    def _embed(self, tokens, next_token, match_len, followers=None) -> torch.Tensor:
         x = self.embed(tokens)
         if self.index_input is not None:
             if next_token is None or match_len is None:
                 raise ValueError(
                     "this model was built with index input: pass next_token and match_len"
                 )
-            x = self.index_input(x, next_token, match_len)
+            if (followers is None) != (self.cfg.index_followers == 0):
+                raise ValueError(
+                    "pass the index's followers exactly when the model has index_followers"
+                )
+            x = self.index_input(x, next_token, match_len, followers)
         return x
 
     def head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

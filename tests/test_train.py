@@ -19,7 +19,14 @@ from test_features import doc_ids_of
 from teralm.kernels.fragment import fragment_features
 from teralm.kernels.match import doc_start_bits
 from teralm.train.config import DataSettings
-from teralm.train.data import FragmentSampler, causal_followers, prefetched, training_spans
+from teralm.train.data import (
+    TRAIN_EXACT_LIMIT,
+    FragmentSampler,
+    causal_followers,
+    follower_arrays,
+    prefetched,
+    training_spans,
+)
 from teralm.train.evaluate import causal_infgram
 
 TINY = """
@@ -174,6 +181,51 @@ def test_causal_followers_of_batches_equal_brute_force(corpus):
                 assert (
                     list(zip(got.tokens[i, level].tolist(), got.counts[i, level].tolist())) == want
                 )
+
+
+def test_batches_carry_the_followers_of_their_fragments(corpus):
+    """With index_followers, a kept fragment's followers are ``causal_followers`` of its
+    targets (from the stored matches), a dropped one's are none; without, the batch has none."""
+    ix = corpus
+    data = DataSettings(seq_len=16, batch_size=8, seed=3, holdout_every=5, index_dropout=0.5)
+    plain = FragmentSampler(ix, data, infgram=True)
+    richer = FragmentSampler(ix, data, infgram=True, followers=(3, 6))
+    assert plain.batch(2).followers() is None
+    batch, same = richer.batch(2), plain.batch(2)
+    assert torch.equal(batch.tokens, same.tokens) and torch.equal(batch.match_len, same.match_len)
+    starts, drops = richer.draw(2)
+    columns = ("follower_tokens", "follower_shares", "follower_length", "follower_total")
+    for row, (start, drop) in enumerate(zip(starts, drops)):
+        if drop:
+            assert (batch.follower_length[row] == 0).all()
+            assert (batch.follower_tokens[row] == ix.vocab_size).all()
+            continue
+        lengths = ix.features(start, start + 16).match_len.astype(np.int64)
+        found = causal_followers(ix, start + 1, 16, 0, (6,), 3, lengths, TRAIN_EXACT_LIMIT)
+        for name, want in zip(columns, follower_arrays(found, ix.vocab_size)):
+            np.testing.assert_array_equal(getattr(batch, name)[row].numpy(), want)
+    assert drops.any() and not drops.all()
+    assert batch.followers().tokens.shape == (8, 16, 3)
+
+
+def test_a_run_with_followers_trains_and_scores_but_is_not_served(corpus, tmp_path):
+    config = tmp_path / "followers.toml"
+    config.write_text(
+        TINY.replace("max_steps = 40", "max_steps = 6").replace(
+            "[train]", "index_followers = 3\nfollower_cap = 6\n[train]"
+        )
+    )
+    run = tmp_path / "run"
+    trained = run_cli("train", "--index", corpus.directory, "--out", run, "--config", config)
+    assert trained.returncode == 0, trained.stderr
+    saved = json.loads((run / "config.json").read_text())["config"]["model"]
+    assert (saved["index_followers"], saved["follower_cap"]) == (3, 6)
+    scored = run_cli("eval", run, "--index", corpus.directory, "--json", "--quiet")
+    assert scored.returncode == 0, scored.stderr
+    assert 0 < json.loads(scored.stdout)["model"] < 8
+    refused = run_cli("sample", run, "--index", corpus.directory)
+    assert refused.returncode == 1 and "index_followers" in refused.stderr
+    assert "Traceback" not in refused.stderr
 
 
 def brute_causal_followers(x, doc_ids, t, length, cap):

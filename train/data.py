@@ -20,6 +20,7 @@ from teralm.errors import ConfigError
 from teralm.index import Index
 from teralm.index.query import EXACT_LIMIT, Followers
 from teralm.kernels.fragment import fragment_features
+from teralm.model.transformer import FollowerInput
 from teralm.train.config import DataSettings
 
 # Training's ∞-gram counts sample contexts past this many occurrences, where serving and
@@ -40,9 +41,21 @@ class Batch:
     targets: torch.Tensor
     infgram_total: torch.Tensor
     infgram_hits: torch.Tensor
+    follower_tokens: torch.Tensor  # [b, t, k]; k = 0 without index_followers
+    follower_shares: torch.Tensor
+    follower_length: torch.Tensor
+    follower_total: torch.Tensor
 
     def to(self, device: torch.device) -> Batch:
         return Batch(*(t.to(device, non_blocking=True) for t in vars(self).values()))
+
+    def followers(self) -> FollowerInput | None:
+        """The index's fuller answer for a model with ``index_followers`` (None without)."""
+        if self.follower_tokens.shape[-1] == 0:
+            return None
+        return FollowerInput(
+            self.follower_tokens, self.follower_shares, self.follower_length, self.follower_total
+        )
 
 
 def held_out(doc, holdout_every: int):
@@ -110,6 +123,15 @@ def causal_infgram(
     return out[:, 1], out[:, 2]
 
 
+def follower_arrays(found: Followers, vocab_size: int) -> tuple[np.ndarray, ...]:
+    """``(tokens, shares, length, total)`` of the first cap of ``found``, as the model takes
+    them (``teralm.model.transformer.FollowerInput``: ``vocab_size`` for a missing follower)."""
+    tokens = np.where(found.tokens[:, 0] < 0, vocab_size, found.tokens[:, 0])
+    total = found.totals[:, 0]
+    shares = (found.counts[:, 0] / np.maximum(total, 1)[:, None]).astype(np.float32)
+    return tokens, shares, found.lengths[:, 0], total
+
+
 def causal_followers(
     ix: Index,
     first: int,
@@ -148,8 +170,10 @@ class FragmentSampler:
         infgram: bool = False,
         share: tuple[int, int] = (0, 1),
         workers: int = 1,
+        followers: tuple[int, int] = (0, 1),
     ):
         rank, world = share
+        self.follower_k, self.follower_cap = followers
         self.ix, self.seq_len, self.seed = ix, data.seq_len, data.seed
         self.batch_size = data.batch_size // world
         self.key = [] if world == 1 else [rank, world]
@@ -159,7 +183,7 @@ class FragmentSampler:
         self_features = data.index_dropout > 0 and data.dropout_features == "self"
         self.doc_bits = ix.query.doc_bits if self_features else None
         self.pool = None
-        if infgram and workers > 1:
+        if (infgram or self.follower_k) and workers > 1:
             self.pool = ThreadPoolExecutor(workers, thread_name_prefix="teralm-infgram")
         spans = training_spans(ix, data.holdout_every)
         room = spans[:, 1] - spans[:, 0] - seq_len  # fragment starts per span
@@ -198,20 +222,48 @@ class FragmentSampler:
         total, hits = causal_infgram(ix, start + 1, n, 0, match_len, TRAIN_EXACT_LIMIT)
         return next_token, match_len, total, hits
 
-    def batch(self, step: int, micro: int = 0) -> Batch:
-        """Micro-batch ``micro`` of step ``step``."""
+    def _followers(self, start: int, match_len: np.ndarray, drop: bool) -> tuple[np.ndarray, ...]:
+        """``(tokens, shares, length, total)`` of the fragment's targets' most frequent
+        followers (``causal_followers``; none for a dropped fragment, nor without
+        ``index_followers``)."""
+        n, k = self.seq_len, self.follower_k
+        if drop or k == 0:
+            tokens = np.full((n, k), self.ix.vocab_size, np.int64)
+            return (
+                tokens,
+                np.zeros((n, k), np.float32),
+                np.zeros(n, np.int64),
+                np.zeros(n, np.int64),
+            )
+        found = causal_followers(
+            self.ix, start + 1, n, 0, (self.follower_cap,), k, match_len, TRAIN_EXACT_LIMIT
+        )
+        return follower_arrays(found, self.ix.vocab_size)
+
+    def _fragment(self, start: int, text: np.ndarray, drop: bool) -> tuple[np.ndarray, ...]:
+        """``_features`` and ``_followers`` of one fragment."""
+        features = self._features(start, text, drop)
+        return (*features, *self._followers(start, features[1], drop))
+
+    def draw(self, step: int, micro: int = 0) -> tuple[list[int], np.ndarray]:
+        """Micro-batch ``micro`` of step ``step``: its fragments' starts, and which of them
+        are shown as new text (index dropout)."""
         rng = np.random.default_rng([self.seed, step, micro, *self.key])
         picks = rng.integers(0, int(self.cumulative[-1]), size=self.batch_size)
         span = np.searchsorted(self.cumulative, picks, side="right")
         before = np.where(span > 0, self.cumulative[np.maximum(span - 1, 0)], 0)
         starts = [int(s) for s in self.spans[span, 0] + (picks - before)]
-        dropped = rng.random(self.batch_size) < self.index_dropout
+        return starts, rng.random(self.batch_size) < self.index_dropout
+
+    def batch(self, step: int, micro: int = 0) -> Batch:
+        """Micro-batch ``micro`` of step ``step``."""
+        starts, dropped = self.draw(step, micro)
         texts = [self.ix.tokens(s, s + self.seq_len + 1).astype(np.int64) for s in starts]
         pool_map = self.pool.map if self.pool else map
-        features = pool_map(self._features, starts, texts, dropped)
+        features = pool_map(self._fragment, starts, texts, dropped)
         parts = [
-            (text[:-1], next_token, match_len, text[1:], total, hits)
-            for text, (next_token, match_len, total, hits) in zip(texts, features)
+            (text[:-1], next_token, match_len, text[1:], total, hits, *followers)
+            for text, (next_token, match_len, total, hits, *followers) in zip(texts, features)
         ]
         return Batch(*(torch.from_numpy(np.stack(column)) for column in zip(*parts)))
 

@@ -22,8 +22,14 @@ from teralm.index.knn import KnnDatastore
 from teralm.infer.mixture import knn_weights
 from teralm.infer.precision import autocast
 from teralm.model import Transformer
-from teralm.model.transformer import index_lm_loss
-from teralm.train.data import causal_infgram, fragment, held_out
+from teralm.model.transformer import FollowerInput, index_lm_loss
+from teralm.train.data import (
+    causal_followers,
+    causal_infgram,
+    follower_arrays,
+    fragment,
+    held_out,
+)
 
 INFGRAM_EPSILON = 0.01  # the ∞-gram alone mixes in this much of the uniform distribution
 LAMBDAS = np.round(np.arange(0.05, 1.0, 0.05), 2)
@@ -72,6 +78,20 @@ def document_windows(ix: Index, docs, seq_len: int, max_tokens: int | None = Non
             covered += length
 
 
+def window_followers(
+    ix: Index, model: Transformer, doc_start: int, a: int, length: int, match_len, device
+) -> FollowerInput | None:
+    """The index's fuller answer for a window's targets, for a model with index_followers."""
+    cfg = model.cfg
+    if model.index_input is None or not cfg.index_followers:
+        return None
+    found = causal_followers(
+        ix, a + 1, length, doc_start, (cfg.follower_cap,), cfg.index_followers, match_len
+    )
+    arrays = follower_arrays(found, ix.vocab_size)
+    return FollowerInput(*(torch.from_numpy(x)[None].to(device) for x in arrays))
+
+
 @torch.no_grad()
 def score(
     ix: Index,
@@ -96,8 +116,9 @@ def score(
         tokens, next_token, match_len, targets, counted, hits_t = (
             torch.from_numpy(x)[None].to(device) for x in (*window, total, hit)
         )
+        followers = window_followers(ix, model, doc_start, a, length, window[2], device)
         with autocast(device, cfg.precision):
-            hidden = model.hidden(tokens, next_token, match_len)
+            hidden = model.hidden(tokens, next_token, match_len, followers)
             logits, gate = model.head(hidden)
         if gate is not None:
             gate = model.gate_logit(gate, counted)

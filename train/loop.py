@@ -225,7 +225,10 @@ class Trainer:
             data = dataclasses.replace(data, index_dropout=0.0)
         infgram = self.model.mixture_gate is not None
         share = (self.sync.part, self.sync.parts)
-        return FragmentSampler(self.ix, data, infgram, share, torch.get_num_threads())
+        model = self.config.model
+        followers = (model.index_followers if model.index_input else 0, model.follower_cap)
+        threads = torch.get_num_threads()
+        return FragmentSampler(self.ix, data, infgram, share, threads, followers)
 
     def announce(self, show: bool) -> None:
         """The precision (and the processes) on stderr; a slow precision's warning."""
@@ -300,7 +303,7 @@ class Trainer:
                 with autocast(device, self.precision.precision):
                     logits, gate = self.forward(
                         batch.tokens, batch.next_token, batch.match_len, with_gate=True,
-                        infgram_total=batch.infgram_total,
+                        infgram_total=batch.infgram_total, followers=batch.followers(),
                     )  # fmt: skip
                 mixed, own = index_lm_loss(
                     logits, gate, batch.targets, batch.infgram_total, batch.infgram_hits
