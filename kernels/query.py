@@ -515,20 +515,10 @@ def lookup(
             rows = _room(rows, offsets[c] + keep)
             rows[offsets[c] : offsets[c] + keep] = pairs[a, :keep]
         else:
-            passed = 0
-            for r in range(count if stride else 0):
-                lo, hi = found[r, 0], found[r, 1]
-                for i in range(lo + (-passed) % stride, hi, stride):
-                    f = follow[i]
-                    if f != separator:
-                        if f >= vocab:
-                            raise IndexDamaged(FOLLOW_OUT_OF_RANGE)
-                        if tally[f] == 0:
-                            seen[distinct] = f
-                            distinct += 1
-                        tally[f] += stride
-                        followed += stride
-                passed += hi - lo
+            if stride:
+                followed, distinct = _tally_followers(
+                    corpus, found, count, stride, -1, separator, tally, seen, 0
+                )
             order = np.argsort(-tally[seen[:distinct]] * (vocab + 1) + seen[:distinct])
             keep = distinct if top_k <= 0 else min(top_k, distinct)
             rows = _room(rows, offsets[c] + keep)
@@ -591,6 +581,46 @@ def _sampled_followers(corpus, found, count, stride, limit, target, separator):
     return total, hits
 
 
+@njit(cache=True)
+def _sample_stride(found, count, exact_limit):
+    """The occurrences in the rank ranges ``found[:count]``, and the stride at which at most
+    ``exact_limit`` of them are counted."""
+    occurrences = 0
+    for r in range(count):
+        occurrences += found[r, 1] - found[r, 0]
+    return occurrences, max(1, (occurrences + exact_limit - 1) // exact_limit)
+
+
+@njit(cache=True)
+def _rescan(total, stride, occurrences, exact_limit):
+    """Whether to count a suffix again, exactly: no sampled occurrence lay before the limit (as
+    near the corpus start, where nearly all of them come later), and it has at most
+    ``RESCAN_FACTOR * exact_limit`` occurrences; so a suffix seen before is counted as seen."""
+    return total == 0 and stride > 1 and occurrences <= RESCAN_FACTOR * exact_limit
+
+
+@njit(cache=True)
+def _causal_searches(corpus, elem_bits, sample, doc_bits, separator, ctx, begins, ends):
+    """What the causal kernels share before their per-context work: the corpus size, each
+    context's search (``_global_searches``) and the scratch tables ``_match`` and
+    ``_ranges_at`` grow."""
+    n_total = _size(corpus)
+    searched = _global_searches(
+        corpus, doc_bits, separator, n_total, elem_bits, sample, ctx, begins, ends
+    )
+    return n_total, searched, np.empty((4, 6), dtype=np.int64), np.empty((16, 2), dtype=np.int64)
+
+
+@njit(cache=True)
+def _causal_match(
+    corpus, doc_bits, separator, n_total, elem_bits, ctx, begin, end, searched, parts
+):
+    """``_match`` of the context ``ctx[begin:end]`` (its ``searched`` row of
+    ``_global_searches``): (length, rows, parts)."""
+    m = _matchable(ctx, begin, end, separator)
+    return _match(corpus, doc_bits, separator, n_total, elem_bits, ctx, end, m, searched, parts)
+
+
 @njit(cache=True, nogil=True)
 def causal_counts(
     corpus,
@@ -616,19 +646,15 @@ def causal_counts(
     before the limit, all of them are scanned (if at most ``RESCAN_FACTOR * exact_limit``), so a
     suffix seen before is counted as seen.
     """
-    n_total = _size(corpus)
     contexts = len(ends)
     out = np.zeros((contexts, 3), dtype=np.int64)
-    parts = np.empty((4, 6), dtype=np.int64)
-    found = np.empty((16, 2), dtype=np.int64)
-    searched = _global_searches(
-        corpus, doc_bits, separator, n_total, elem_bits, sample, ctx, begins, ends
+    n_total, searched, parts, found = _causal_searches(
+        corpus, elem_bits, sample, doc_bits, separator, ctx, begins, ends
     )
     for c in range(contexts):
         end = ends[c]
-        m = _matchable(ctx, begins[c], end, separator)
-        length, used, parts = _match(
-            corpus, doc_bits, separator, n_total, elem_bits, ctx, end, m, searched[c], parts
+        length, used, parts = _causal_match(
+            corpus, doc_bits, separator, n_total, elem_bits, ctx, begins[c], end, searched[c], parts
         )
         while length > 0:
             count, found = _ranges_at(
@@ -644,16 +670,11 @@ def causal_counts(
                 used,
                 found,
             )
-            occurrences = 0
-            for r in range(count):
-                occurrences += found[r, 1] - found[r, 0]
-            stride = max(1, (occurrences + exact_limit - 1) // exact_limit)
+            occurrences, stride = _sample_stride(found, count, exact_limit)
             total, hits = _sampled_followers(
                 corpus, found, count, stride, limits[c], targets[c], separator
             )
-            if total == 0 and stride > 1 and occurrences <= RESCAN_FACTOR * exact_limit:
-                # no sampled occurrence lies before the limit, as near the corpus start where
-                # nearly all of them come later: count exactly, not call a seen context unseen
+            if _rescan(total, stride, occurrences, exact_limit):
                 total, hits = _sampled_followers(
                     corpus, found, count, 1, limits[c], targets[c], separator
                 )
@@ -669,14 +690,15 @@ def _tally_followers(corpus, found, count, stride, limit, separator, tally, seen
     """Add to ``tally`` the followers of the occurrences in the rank ranges ``found[:count]``
     (taken as one list, of which every ``stride``-th counts ``stride`` times) that end at
     positions ``p`` with ``p + 1 < limit``; tokens counted for the first time are appended to
-    ``seen``. Returns (the occurrences counted, the new length of ``seen``)."""
+    ``seen``; a ``limit`` of -1 counts every occurrence. Returns (the occurrences counted, the
+    new length of ``seen``)."""
     follow = corpus[6]
     total, passed = 0, 0
     for r in range(count):
         lo, hi = found[r, 0], found[r, 1]
         for i in range(lo + (-passed) % stride, hi, stride):
             f = follow[i]
-            if f == separator or _position(corpus, i) + 1 >= limit:
+            if f == separator or (limit >= 0 and _position(corpus, i) + 1 >= limit):
                 continue
             if f >= len(tally):
                 raise IndexDamaged(FOLLOW_OUT_OF_RANGE)
@@ -737,7 +759,6 @@ def causal_followers(
     no earlier occurrence at all), its counted occurrences, and the top ``k`` followers and
     their counts (-1 and 0 past the last). Sampled as ``causal_counts`` samples, with
     ``exact_limit`` and the rescan of a context whose sample holds nothing earlier."""
-    n_total = _size(corpus)
     contexts, levels = len(ends), len(caps)
     lengths = np.zeros((contexts, levels), dtype=np.int64)
     totals = np.zeros((contexts, levels), dtype=np.int64)
@@ -745,16 +766,13 @@ def causal_followers(
     counts = np.zeros((contexts, levels, k), dtype=np.int64)
     tally = np.zeros(vocab, dtype=np.int64)
     seen = np.empty(vocab, dtype=np.int64)
-    parts = np.empty((4, 6), dtype=np.int64)
-    found = np.empty((16, 2), dtype=np.int64)
-    searched = _global_searches(
-        corpus, doc_bits, separator, n_total, elem_bits, sample, ctx, begins, ends
+    n_total, searched, parts, found = _causal_searches(
+        corpus, elem_bits, sample, doc_bits, separator, ctx, begins, ends
     )
     for c in range(contexts):
         end = ends[c]
-        m = _matchable(ctx, begins[c], end, separator)
-        reach, used, parts = _match(
-            corpus, doc_bits, separator, n_total, elem_bits, ctx, end, m, searched[c], parts
+        reach, used, parts = _causal_match(
+            corpus, doc_bits, separator, n_total, elem_bits, ctx, begins[c], end, searched[c], parts
         )
         for level in range(levels):
             length = min(reach, caps[level])
@@ -763,14 +781,11 @@ def causal_followers(
                     corpus, doc_bits, separator, n_total, elem_bits, ctx, end, length, parts,
                     used, found,
                 )  # fmt: skip
-                occurrences = 0
-                for r in range(count):
-                    occurrences += found[r, 1] - found[r, 0]
-                stride = max(1, (occurrences + exact_limit - 1) // exact_limit)
+                occurrences, stride = _sample_stride(found, count, exact_limit)
                 total, n_seen = _tally_followers(
                     corpus, found, count, stride, limits[c], separator, tally, seen, 0
                 )
-                if total == 0 and stride > 1 and occurrences <= RESCAN_FACTOR * exact_limit:
+                if _rescan(total, stride, occurrences, exact_limit):
                     total, n_seen = _tally_followers(
                         corpus, found, count, 1, limits[c], separator, tally, seen, 0
                     )
