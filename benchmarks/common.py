@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import hashlib
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -12,7 +14,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import psutil
@@ -22,7 +24,13 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 RESULTS = ROOT / "benchmarks" / "results"
 CACHE = ROOT / "benchmarks" / "cache"
 PYDOCS = SHARED_DATA / "pydocs.jsonl.gz"
-CORPORA = {"pydocs": PYDOCS, "manpages": CACHE / "manpages.jsonl.gz"}
+CORPORA = {
+    "pydocs": PYDOCS,
+    "manpages": CACHE / "manpages.jsonl.gz",
+    "headers": CACHE / "headers.jsonl.gz",
+}
+# the recipes that make the corpora not in the shared data, from this machine's files
+RECIPES = {"manpages": "make_manpages.py", "headers": "make_headers.py"}
 TERALM = [sys.executable, "-m", "teralm.cli"]  # the CLI in this Python
 
 
@@ -99,13 +107,14 @@ def quality_work(corpus: str) -> Path:
 
 def corpus_index(corpus: str = "pydocs") -> tuple[Path, Path]:
     """A corpus's JSONL file and its byte index, built once under ``quality_work(corpus)`` and
-    shared by the benchmarks: ``pydocs`` (the team's shared data) or ``manpages`` (this machine's
-    manual pages, rendered by make_manpages.py the first time)."""
+    shared by the benchmarks: ``pydocs`` (the team's shared data), ``manpages`` (this machine's
+    manual pages, rendered by make_manpages.py the first time) or ``headers`` (its C and C++
+    headers, by make_headers.py)."""
     source = CORPORA[corpus]
     if not source.exists() and corpus == "pydocs":
         sys.exit(f"{PYDOCS} not found: the benchmark reads the team's shared data folder")
     if not source.exists():
-        recipe = ROOT / "benchmarks" / "make_manpages.py"
+        recipe = ROOT / "benchmarks" / RECIPES[corpus]
         subprocess.run([sys.executable, recipe, "--out", source], check=True)
     work = quality_work(corpus)
     data = work / f"{corpus}.jsonl"
@@ -144,3 +153,26 @@ def save(name: str, payload: dict) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=1))
     return path
+
+
+def write_documents(out: Path, documents: Iterable[tuple[str, str]]) -> str:
+    """Write ``(path, text)`` documents as gzipped JSON lines ``{"id", "path", "text"}`` (the
+    layout of pydocs.jsonl.gz) to ``out``, atomically; a summary line with the sha256 of the
+    JSON lines (not of their gzip, which zlib's version sways), so two machines can tell whether
+    they have the same corpus."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")
+    count = text_bytes = 0
+    digest = hashlib.sha256()
+    with gzip.GzipFile(partial, "wb", mtime=0) as f:
+        for path, text in documents:
+            line = json.dumps({"id": count, "path": path, "text": text}, ensure_ascii=False) + "\n"
+            f.write(line.encode())
+            digest.update(line.encode())
+            count += 1
+            text_bytes += len(text.encode())
+    os.replace(partial, out)
+    return (
+        f"{out}: {count:,} documents, {text_bytes:,} bytes of text, {out.stat().st_size:,} bytes "
+        f"gzipped, sha256 of the JSON lines {digest.hexdigest()}"
+    )

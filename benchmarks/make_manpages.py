@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import hashlib
-import json
 import os
 import re
 import subprocess
@@ -25,7 +23,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common import CACHE
+from common import CACHE, write_documents
 from tqdm import tqdm
 
 MAN = Path("/usr/share/man")
@@ -91,26 +89,8 @@ def main() -> None:
         )
     with ThreadPoolExecutor(args.workers) as pool:
         texts = list(tqdm(pool.map(render, pages), total=len(pages), desc="render", unit="page"))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    partial = args.out.with_name(args.out.name + ".partial")
-    documents = text_bytes = 0
-    digest = hashlib.sha256()  # of the JSON lines, not of their gzip (which zlib's version sways)
-    with gzip.GzipFile(partial, "wb", mtime=0) as out:
-        for path, text in zip(pages, texts):
-            if text is None:
-                continue
-            record = {"id": documents, "path": str(path.relative_to(args.man)), "text": text}
-            line = (json.dumps(record, ensure_ascii=False) + "\n").encode()
-            out.write(line)
-            digest.update(line)
-            documents += 1
-            text_bytes += len(text.encode())
-    os.replace(partial, args.out)
-    print(
-        f"{args.out}: {documents:,} documents of {len(pages):,} pages, {text_bytes:,} bytes of "
-        f"text, {args.out.stat().st_size:,} bytes gzipped, sha256 of the JSON lines "
-        f"{digest.hexdigest()}"
-    )
+    kept = [(str(p.relative_to(args.man)), t) for p, t in zip(pages, texts) if t is not None]
+    print(write_documents(args.out, kept) + f" (of {len(pages):,} pages)")
 
 
 if __name__ == "__main__":
