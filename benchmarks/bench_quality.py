@@ -1,12 +1,12 @@
-"""Quality benchmark: held-out bits per byte with and without the index input, on two corpora.
+"""Quality benchmark: held-out bits per byte with and without the index input, on three corpora.
 
     pip install -e .
-    python benchmarks/bench_quality.py [--corpus pydocs manpages] [--steps N]
+    python benchmarks/bench_quality.py [--corpus headers manpages pydocs] [--steps N]
         [--max-tokens 100000] [--precision auto] [--size tiny|4x] [--set KEY=VALUE ...]
 
 For each corpus (pydocs from the team's shared data; manpages, this machine's manual pages
-rendered by make_manpages.py), builds its byte index (documents with id % 50 == 0 are held out
-by the trainer), trains the ``tiny`` preset twice with equal steps and tokens (index input on,
+rendered by make_manpages.py; headers, its C and C++ headers taken by make_headers.py), builds
+its byte index (documents with id % 50 == 0 are held out by the trainer), trains the ``tiny`` preset twice with equal steps and tokens (index input on,
 then off), and scores both on the held-out documents: the models, the ∞-gram alone and the
 interpolations, also by the stored match length of each context. Prints a table per corpus and
 writes benchmarks/results/bench_quality.json. ``--size 4x``: the scale check, a model about four
