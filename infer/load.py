@@ -26,7 +26,7 @@ def load_model(
     saved = state["config"]["model"]
     choice = choose_precision(precision, device, generating, width=saved["d_model"])
     config = ModelConfig.from_dict({**saved, "precision": choice.precision})
-    if generating and config.index_followers and config.index_input:
+    if generating and config.index_followers:
         raise ConfigError(
             f"{path} reads the index's followers (index_followers), which generation does not "
             "compute yet; score it with teralm eval"

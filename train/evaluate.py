@@ -83,7 +83,7 @@ def window_followers(
 ) -> FollowerInput | None:
     """The index's fuller answer for a window's targets, for a model with index_followers."""
     cfg = model.cfg
-    if model.index_input is None or not cfg.index_followers:
+    if not cfg.index_followers:  # a config with followers has the index input (ModelConfig)
         return None
     found = causal_followers(
         ix, a + 1, length, doc_start, (cfg.follower_cap,), cfg.index_followers, match_len

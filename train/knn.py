@@ -249,7 +249,7 @@ def _build_knn(config: KnnBuildConfig) -> KnnBuildResult:
     if precision == AUTO and not config.force:  # a resumed build keeps what auto chose then
         precision = _resumed_precision(config.out) or precision
     model, state, choice = load_model(config.run, device, precision)
-    if model.index_input is not None and model.cfg.index_followers:
+    if model.cfg.index_followers:
         raise ConfigError(f"{config.run} reads the index's followers, which build-knn cannot yet")
     check_tokenizer(state, ix)
     if not state.get("index") or ix.differs_from(state["index"]):

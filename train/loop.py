@@ -225,8 +225,7 @@ class Trainer:
             data = dataclasses.replace(data, index_dropout=0.0)
         infgram = self.model.mixture_gate is not None
         share = (self.sync.part, self.sync.parts)
-        model = self.config.model
-        followers = (model.index_followers if model.index_input else 0, model.follower_cap)
+        followers = (self.config.model.index_followers, self.config.model.follower_cap)
         threads = torch.get_num_threads()
         return FragmentSampler(self.ix, data, infgram, share, threads, followers)
 

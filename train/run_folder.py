@@ -38,11 +38,9 @@ def check_resumable(saved: dict, config: RunConfig, identity: dict) -> None:
         raise ConfigError("the run was trained with another model config (" + ", ".join(diff) + ")")
     new_train = asdict(config.train)
     changed = {k for k, v in asdict(old.train).items() if new_train[k] != v}
-    if changed - resumable_settings():
-        raise ConfigError(
-            "the run was trained with other settings: "
-            + ", ".join(sorted(changed - resumable_settings()))
-        )
+    refused = changed - resumable_settings()
+    if refused:
+        raise ConfigError("the run was trained with other settings: " + ", ".join(sorted(refused)))
     for key in ("tokenizer", "tokenizer_sha256", "vocab_size", "num_tokens", "tokens_sha256"):
         if saved["index"].get(key, identity[key]) != identity[key]:  # older runs lack some
             raise ConfigError(f"the run was trained on another index ({key} differs)")
