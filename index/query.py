@@ -76,6 +76,15 @@ class Followers:
     tokens: np.ndarray
     counts: np.ndarray
 
+    def first_cap(self, missing: int) -> tuple[np.ndarray, ...]:
+        """``(tokens, shares, length, total)`` at the first cap, as a model reads them
+        (``teralm.model.transformer.FollowerInput``): ``missing`` for an absent follower, and
+        each follower's count over the suffix's occurrences."""
+        tokens = np.where(self.tokens[:, 0] < 0, missing, self.tokens[:, 0])
+        total = self.totals[:, 0]
+        shares = (self.counts[:, 0] / np.maximum(total, 1)[:, None]).astype(np.float32)
+        return tokens, shares, self.lengths[:, 0], total
+
 
 @dataclass
 class Lookup:

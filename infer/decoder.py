@@ -19,6 +19,7 @@ from teralm.infer.precision import cores
 from teralm.kernels.decode import forward_rows
 from teralm.model import Transformer
 from teralm.model.kv_cache import KVCache
+from teralm.model.transformer import FollowerInput
 
 MAX_ROWS = 256  # past this many new tokens per call, the kernel's plain attention loops lose
 PART_ROWS = 8  # the fewest rows worth a thread of their own
@@ -52,6 +53,11 @@ class Decoded(NamedTuple):
     logits: torch.Tensor
     gate: torch.Tensor | None
     hidden: torch.Tensor | None
+
+
+def _rows(followers: FollowerInput | None, shape: Callable) -> FollowerInput | None:
+    """``followers`` with ``shape`` applied to each of its tensors (None stays None)."""
+    return None if followers is None else FollowerInput(*map(shape, vars(followers).values()))
 
 
 def _array(t: torch.Tensor) -> np.ndarray:
@@ -104,28 +110,34 @@ class Decoder:
         first: int = 0,
         keep_hidden: bool = False,
         alongside: Callable[[], None] | None = None,
+        followers: FollowerInput | None = None,
     ) -> Decoded:
         """The ``N = sum(counts)`` tokens through the model, their keys and values added to the
         cache (InputError when a sequence would pass ``max_seq_len``). ``alongside`` (work
         that needs no output of the model, called once) runs on this thread while the
-        kernel's other parts run on theirs."""
+        kernel's other parts run on theirs. ``followers``: the rows' [N, ...] index followers,
+        for a model with ``index_followers``."""
         B = len(counts)
         start = self.cache.lengths.numpy()[first : first + B]  # a view of the cache's lengths
         if int((start + np.asarray(counts)).max()) > self.cache.max_len:
             raise InputError(f"positions beyond max_seq_len {self.cache.max_len}")
         if self.fused and sum(counts) <= MAX_ROWS:
-            rows = (tokens, next_token, match_len, counts, first, start)
+            rows = (tokens, next_token, match_len, counts, first, start, followers)
             return self._fused(*rows, keep_hidden, alongside or (lambda: None))
-        columns = [torch.tensor(xs, device=self.cache.keys[0].device) for xs in (tokens, next_token, match_len)]  # fmt: skip
+        device = self.cache.keys[0].device
+        columns = [torch.tensor(xs, device=device) for xs in (tokens, next_token, match_len)]
+        followers = _rows(followers, lambda t: t.to(device))
         if len(set(counts)) == 1:  # one batched call
-            hidden = self.model.decode(*(c.view(B, -1) for c in columns), self.cache, first)
-        else:
-            parts, offset = [], 0
-            for b, n in enumerate(counts):
-                rows = [c[offset : offset + n].view(1, n) for c in columns]
-                parts.append(self.model.decode(*rows, self.cache, first + b)[0])
-                offset += n
-            hidden = torch.cat(parts)[None]
+            calls = [(first, slice(None), B)]
+        else:  # a call per sequence
+            ends = np.cumsum(counts).tolist()
+            calls = [(first + b, slice(e - n, e), 1) for b, (n, e) in enumerate(zip(counts, ends))]
+        parts = []
+        for slot, rows, batch in calls:
+            take = lambda t, rows=rows, batch=batch: t[rows].reshape(batch, -1, *t.shape[1:])  # noqa: E731
+            inputs = (*map(take, columns), self.cache, slot, _rows(followers, take))
+            parts.append(self.model.decode(*inputs))
+        hidden = parts[0] if len(parts) == 1 else torch.cat([part[0] for part in parts])[None]
         logits, gate = self.model.head(hidden)
         if alongside is not None:
             alongside()
@@ -135,16 +147,25 @@ class Decoder:
             hidden.flatten(0, 1).float() if keep_hidden else None,
         )
 
-    def _fused(self, tokens, next_token, match_len, counts, first, start, keep_hidden, alongside):
+    def _fused(
+        self, tokens, next_token, match_len, counts, first, start, followers, keep_hidden, alongside
+    ):
         """The kernel on the rows; ``start``: the slots' cache lengths (a view, advanced)."""
         n, counts = sum(counts), np.asarray(counts)
         sequence = np.repeat(np.arange(len(counts)), counts)  # of each row
         positions = start[sequence] + np.arange(n) - (np.cumsum(counts) - counts)[sequence]
+        d = self.model.cfg.d_model
         logits = np.empty((n, self.model.cfg.vocab_size), dtype=np.float32)
         gate = np.empty(n, dtype=np.float32)
-        hidden = _empty(n if keep_hidden else 0, self.model.cfg.d_model)
+        hidden = _empty(n if keep_hidden else 0, d)
         columns = [np.asarray(xs, dtype=np.int64) for xs in (tokens, next_token, match_len)]
         columns += [first + sequence, positions]
+        if followers is None:
+            columns += [_empty(0, d), _empty(0, d)]
+        else:
+            with torch.no_grad():
+                parts = self.model.index_input.follower_parts(followers, torch.float32)
+            columns += [part.numpy() for part in parts]
 
         def run(rows: slice) -> float:
             forward_rows(

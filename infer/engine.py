@@ -44,6 +44,7 @@ from teralm.index import Index
 from teralm.index.knn import KnnDatastore
 from teralm.index.query import OnlineMatcher, push_all
 from teralm.infer.decoder import MAX_ROWS, Decoded, Decoder
+from teralm.infer.followers import Span, online_followers
 from teralm.infer.mixture import infgram_probs, knn_mixed_logp, next_token_logp
 from teralm.infer.precision import autocast
 from teralm.infer.prefix_cache import PrefixCache
@@ -483,10 +484,12 @@ class Engine:
         counts = [len(seq.tokens) - reused for seq, _, reused in group]
         tokens = [t for seq, _, reused in group for t in seq.tokens[reused:]]
         features = [f for seq, _, reused in group for f in seq.features[reused:]]
+        spans = [Span(s.tokens, reused, len(s.tokens), s.use_index) for s, _, reused in group]
         try:
             last = torch.tensor(counts).cumsum(0) - 1
             contexts = [seq.tokens for seq in seqs]
-            logp, views = self._run_and_mix(seqs, contexts, tokens, features, counts, first, last)
+            rows = (tokens, features, counts, spans)
+            logp, views = self._run_and_mix(seqs, contexts, *rows, first, last)
         except Exception as e:
             for seq in seqs:
                 self._fail(seq, e)
@@ -500,20 +503,36 @@ class Engine:
         """Cache ``tokens[start:stop]`` afresh in ``slot``: the decoder's output on them."""
         self.cache.lengths[slot] = 0
         features = seq.features[start:stop]
-        return self._run_model(seq.tokens[start:stop], features, [stop - start], slot)
+        spans = [Span(seq.tokens, start, stop, seq.use_index)]
+        return self._run_model(seq.tokens[start:stop], features, [stop - start], spans, slot)
 
-    def _run_model(self, tokens, features, counts, first=0, alongside=None) -> Decoded:
-        """The decoder on new tokens with their (match length, next token) features (with
-        their hidden states when a kNN datastore is mixed in), doing ``alongside`` meanwhile."""
+    def _run_model(self, tokens, features, counts, spans, first=0, alongside=None) -> Decoded:
+        """The decoder on new tokens with their (match length, next token) features and, for a
+        model that reads them, the index's followers of their ``spans`` (with their hidden
+        states when a kNN datastore is mixed in), doing ``alongside`` meanwhile."""
+        followers = self._followers(spans)
         began = time.perf_counter()
         with autocast(self.device, self.precision):
             lengths, nexts = zip(*features)
             keep_hidden = self.knn is not None
-            out = self.decoder.decode(tokens, nexts, lengths, counts, first, keep_hidden, alongside)
+            rows = (tokens, nexts, lengths, counts, first)
+            out = self.decoder.decode(*rows, keep_hidden, alongside, followers)
         self.stats.model_s += time.perf_counter() - began
         return out
 
-    def _run_and_mix(self, owners, contexts, tokens, features, counts, first=0, rows=slice(None)):
+    def _followers(self, spans: list[Span]):
+        """The index's followers of the rows of ``spans`` (``online_followers``), timed as
+        lookup; None for a model that does not read them."""
+        if not self.model.cfg.index_followers:
+            return None
+        began = time.perf_counter()
+        followers = online_followers(self.index, self.model.cfg, spans)
+        self.stats.lookup_s += time.perf_counter() - began
+        return followers
+
+    def _run_and_mix(
+        self, owners, contexts, tokens, features, counts, spans, first=0, rows=slice(None)
+    ):
         """``_next_logp`` after ``rows`` of the decoder's output on new tokens (``_run_model``),
         with the ∞-gram query after ``contexts`` made while the decoder's other threads run."""
         infgram = []
@@ -521,7 +540,7 @@ class Engine:
         def query() -> None:
             infgram.append(self._infgram(owners, contexts))
 
-        out = self._run_model(tokens, features, counts, first, query)
+        out = self._run_model(tokens, features, counts, spans, first, query)
         picked = features if isinstance(rows, slice) else [features[int(i)] for i in rows]
         return self._next_logp(owners, out, infgram[0], rows, picked)
 
@@ -702,7 +721,11 @@ class Engine:
             for s, n in zip(seqs, counts)
             for i in range(n)
         ]
-        logp, views = self._run_and_mix(owners, contexts, tokens, features, counts)
+        spans = []
+        for s, n in zip(seqs, counts):  # each row reads its sequence's text up to its token
+            text = s.tokens[-self.model.cfg.follower_cap :] + [d.token for d in s.drafts]
+            spans.append(Span(text, len(text) - n, len(text), s.use_index))
+        logp, views = self._run_and_mix(owners, contexts, tokens, features, counts, spans)
         start = 0
         for seq, n in zip(seqs, counts):
             seq.logp, seq.views = logp[start : start + n], views and views[start : start + n]

@@ -26,11 +26,6 @@ def load_model(
     saved = state["config"]["model"]
     choice = choose_precision(precision, device, generating, width=saved["d_model"])
     config = ModelConfig.from_dict({**saved, "precision": choice.precision})
-    if generating and config.index_followers:
-        raise ConfigError(
-            f"{path} reads the index's followers (index_followers), which generation does not "
-            "compute yet; score it with teralm eval"
-        )
     model = Transformer(config)
     if checkpoint.is_fp8_export(path):
         load_fp8(model, tensors)

@@ -155,6 +155,7 @@ def _attend(qkv, keys, values, slots, positions, window, n_head, out):
 @njit(nogil=True, cache=True, fastmath=True)
 def forward_rows(
     tokens, next_token, match_len, slots, positions,  # [N] each, int64
+    follower_summary, follower_weighted,  # [N, d] each: the followers' part; empty when off
     embed, next_embed, length_embed, gate_w, gate_b,  # index input: empty arrays when off
     attn_norm, qkv_w, q_norm, k_norm, proj_w, mlp_norm, up_w, down_w, windows,  # per layer
     norm, mix_w, mix_b, cos, sin, keys, values, swiglu, logits, gate, hidden_out,
@@ -174,10 +175,14 @@ def forward_rows(
         lengths = np.empty((n, d), dtype=np.float32)
         for r in range(n):
             lengths[r] = length_embed[length_bucket(match_len[r])]
+        if follower_summary.shape[0]:
+            lengths += follower_summary
         _matmul(x + lengths, gate_w, h)
         for r in range(n):
             g = np.float32(1.0) / (np.float32(1.0) + np.exp(-(h[r] + gate_b)))
             x[r] += g * (next_embed[next_token[r]] + lengths[r])
+            if follower_weighted.shape[0]:
+                x[r] += g * follower_weighted[r]
     qkv = np.empty((n, 3, n_head, head_dim), dtype=np.float32)
     y = np.empty((n, d), dtype=np.float32)
     hidden = down_w[0].shape[1]

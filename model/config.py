@@ -23,7 +23,8 @@ class ModelConfig:
     ``index_followers``: also feed the ``index_followers`` most frequent followers of the
     context's last ``follower_cap`` tokens in the index (with their shares, the suffix's length
     and its count), seeing only earlier text (``teralm.train.data.causal_followers``); 0: off,
-    as every run before it. Scored by ``teralm eval``; not yet served (issue 46).
+    as every run before it. Generation counts every occurrence in the index
+    (``teralm.infer.followers``).
     ``precision``: arithmetic of every Linear layer in the blocks (see teralm.kernels.fp8), or
     ``auto`` in a config, which training resolves for the machine before it builds the model.
     """

@@ -159,17 +159,25 @@ class IndexInput(nn.Module):
         lengths = self.length_embed(length_bucket(match_len))
         features = self.next_embed(next_token) + lengths
         if followers is not None:
-            counts = length_bucket(followers.total.clamp(max=MAX_COUNT))
-            weighted = followers.shares.unsqueeze(-1).to(x.dtype) * self.follower_embed(
-                followers.tokens
-            )
-            summary = self.follower_length(length_bucket(followers.length)) + self.follower_count(
-                counts
-            )
-            features = features + weighted.sum(-2) + summary
+            summary, weighted = self.follower_parts(followers, x.dtype)
+            features = features + weighted + summary
             lengths = lengths + summary
         gate = torch.sigmoid(self.gate(x + lengths))
         return x + gate * features
+
+    def follower_parts(
+        self, followers: FollowerInput, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the followers add [..., d_model]: their suffix's length and count embedded
+        (``summary``, which the gate also reads) and their embeddings weighted by their
+        shares (``weighted``)."""
+        counts = length_bucket(followers.total.clamp(max=MAX_COUNT))
+        summary = self.follower_length(length_bucket(followers.length)) + self.follower_count(
+            counts
+        )
+        embedded = self.follower_embed(followers.tokens)
+        weighted = (followers.shares.unsqueeze(-1).to(dtype) * embedded).sum(-2)
+        return summary, weighted
 
 
 def rope_tables(head_dim: int, length: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -376,6 +384,7 @@ class Transformer(nn.Module):
         match_len: torch.Tensor,
         cache: KVCache,
         first: int = 0,
+        followers: FollowerInput | None = None,
     ) -> torch.Tensor:
         """The hidden states [B, T, d_model] (see ``hidden``; ``head`` gives their logits) of
         ``tokens`` [B, T] that continue the sequences cached in slots ``first .. first + B - 1``;
@@ -384,7 +393,7 @@ class Transformer(nn.Module):
         layers = cache.layers(first, T, B)
         positions = layers[0].positions
         cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
-        x = self._embed(tokens, next_token, match_len)
+        x = self._embed(tokens, next_token, match_len, followers)
         for block, layer in zip(self.blocks, layers):
             x = block(x, cos, sin, layer)
         cache.lengths[first : first + B] += T

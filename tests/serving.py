@@ -17,8 +17,10 @@ import uvicorn
 from teralm.index import Index
 from teralm.index.query import OnlineMatcher
 from teralm.infer.engine import Engine
+from teralm.infer.followers import Span, online_followers
 from teralm.infer.mixture import infgram_probs, next_token_logp
 from teralm.model import Transformer
+from teralm.model.transformer import FollowerInput
 from teralm.server.app import create_app
 from teralm.server.guard import HEADER_TIMEOUT_S, http_config
 from teralm.server.protocol import Limits
@@ -108,17 +110,24 @@ def wait_until_idle(port: int, seconds: float = 120) -> None:
 @torch.no_grad()
 def greedy(model: Transformer, ix: Index, prompt: str, n: int) -> str:
     """The greedy continuation the server must reproduce, by the plainest route: a full
-    forward of the whole text for every token (no cache), features from the online matcher,
-    and the ∞-gram mixture."""
+    forward of the whole text for every token (no cache), features from the online matcher
+    (and the index's followers, for a model that reads them), and the ∞-gram mixture."""
     matcher = OnlineMatcher(ix)
     tokens = [int(t) for t in ix.encode(prompt)]
     features = matcher.extend(tokens)
     for _ in range(n):
         recent, feats = tokens[-model.cfg.max_seq_len :], features[-model.cfg.max_seq_len :]
         row = lambda xs: torch.tensor([xs])  # noqa: E731
+        followers = None
+        if model.cfg.index_followers:
+            rows = online_followers(
+                ix, model.cfg, [Span(tokens, len(tokens) - len(recent), len(tokens))]
+            )
+            followers = FollowerInput(*(t[None] for t in vars(rows).values()))
         logits, gate = model(
-            row(recent), row([f[1] for f in feats]), row([f[0] for f in feats]), with_gate=True
-        )
+            row(recent), row([f[1] for f in feats]), row([f[0] for f in feats]), with_gate=True,
+            followers=followers,
+        )  # fmt: skip
         infgram = infgram_probs(ix, [tokens]) if gate is not None else None
         gate = None if gate is None else gate[0, -1:]
         token = int(next_token_logp(model, logits[0, -1:], gate, infgram)[0].argmax())

@@ -3,18 +3,23 @@ e4m3 bytes with the numbers of its dequantised weights."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from serving import greedy, request, serve_in_thread
 from test_cli import run_cli
+from test_features import doc_ids_of
+from test_train import brute_followers
 from torch import nn
 
 from teralm.index.query import OnlineMatcher
 from teralm.infer.engine import Engine, Sequence
+from teralm.infer.followers import Span, online_followers
 from teralm.infer.fp8 import Fp8Embedding, Fp8Linear
 from teralm.infer.load import load_model
 from teralm.infer.mixture import infgram_probs, next_token_logp
@@ -270,6 +275,82 @@ def test_drafts_from_the_index_change_no_greedy_token_nor_logprob(
             assert abs(x.logprob - y.logprob) < 1e-4 and x.top.keys() == y.top.keys()
     want = greedy(model, ix, text[:20], 24)
     assert ix.decode([e.token for e in drafted[0]]) == want
+
+
+def test_online_followers_count_every_occurrence_in_the_index(tiny_run):
+    """The followers of generated text: every occurrence in the index counts (the text is not
+    in it), against a scan of the corpus; rows of a sequence without the index get none."""
+    ix = tiny_run["ix"]
+    cfg = dataclasses.replace(tiny_run["model"].cfg, index_followers=3, follower_cap=6)
+    x, doc_ids = ix.tokens(0, ix.num_tokens), doc_ids_of(ix)
+    rng = np.random.default_rng(8)
+    texts = [
+        [int(t) for t in ix.encode("".join(rng.choice(list("abcdef"), n)))] for n in (9, 30, 4)
+    ]
+    spans = [Span(texts[0], 0, 9), Span(texts[1], 17, 30), Span(texts[2], 1, 3, False)]
+    got = online_followers(ix, cfg, spans)
+    r = 0
+    for text, first, stop, use_index in spans:
+        for j in range(first, stop):
+            context = text[max(0, j + 1 - cfg.follower_cap) : j + 1] if use_index else []
+            size, total, top = brute_followers(x, doc_ids, context, ix.num_tokens)
+            assert (int(got.length[r]), int(got.total[r])) == (size, total), (text, j)
+            want = top[:3] + [(cfg.vocab_size, 0)] * (3 - len(top[:3]))
+            assert got.tokens[r].tolist() == [token for token, _ in want]
+            shares = [count / max(total, 1) for _, count in want]
+            np.testing.assert_allclose(got.shares[r].numpy(), shares, rtol=1e-6)
+            r += 1
+    assert r == len(got.length) and (got.length[:9] > 2).any() and (got.length[-2:] == 0).all()
+
+
+@pytest.fixture(scope="module")
+def model_with_followers(tiny_run, tmp_path_factory) -> Transformer:
+    """A tiny model trained briefly with the index's followers as input, their embeddings
+    then drawn large, so that a wrong follower changes what it generates."""
+    from teralm.train.config import RunConfig, TrainConfig
+    from teralm.train.loop import train
+
+    shape = ModelConfig(
+        n_layer=2, n_head=2, d_model=32, max_seq_len=48, index_followers=3, follower_cap=6
+    )
+    steps = TrainConfig(batch_size=4, seq_len=32, max_steps=20, warmup_steps=3)
+    folder = tmp_path_factory.mktemp("followers")
+    train(tiny_run["ix"], RunConfig(shape, steps), folder, progress=False)
+    model = load_model(folder, torch.device("cpu"), generating=True)[0]
+    index_input = model.index_input
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for table in (
+            index_input.follower_embed,
+            index_input.follower_length,
+            index_input.follower_count,
+        ):
+            table.weight.normal_(0, 1.0)
+    return model
+
+
+@torch.no_grad()
+def test_a_model_with_followers_generates_what_full_forwards_give(tiny_run, model_with_followers):
+    """The engine computes the followers of the prompt and of each new token and draft as the
+    plain route does (a full forward of the text with ``online_followers``): the same greedy
+    tokens, batched and drafted or not."""
+    ix, model = tiny_run["ix"], model_with_followers
+    text = ix.decode(ix.tokens(*ix.document_range(3)))
+    prompts = [text[a : a + n] for a, n in ((0, 20), (40, 9), (150, 1))]
+    sampling = Sampling(max_tokens=20, temperature=0, logprobs=1)
+    runs = []
+    for speculate in (0, 8):
+        engine = Engine(model, ix, max_batch=4, speculate=speculate)
+        try:
+            encoded = [[int(t) for t in ix.encode(p)] for p in prompts]
+            runs.append(generate_events(engine, encoded, sampling))
+        finally:
+            engine.close()
+        for prompt, got in zip(prompts, runs[-1]):
+            assert ix.decode([e.token for e in got]) == greedy(model, ix, prompt, 20)
+    assert engine.stats.accepted > 0
+    for plain, drafted in zip(*runs):
+        assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(plain, drafted))
 
 
 @torch.no_grad()

@@ -12,7 +12,7 @@ from teralm.infer.decoder import MAX_ROWS, Decoder, fused_decode_fits
 from teralm.kernels.decode import length_bucket as kernel_length_bucket
 from teralm.model import ModelConfig, Transformer
 from teralm.model.kv_cache import KVCache
-from teralm.model.transformer import length_bucket
+from teralm.model.transformer import FollowerInput, length_bucket
 
 CONFIG = ModelConfig(
     vocab_size=50, n_layer=3, n_head=2, d_model=32, max_seq_len=40, attention="tscale", window=6,
@@ -21,6 +21,10 @@ CONFIG = ModelConfig(
 PLAIN = ModelConfig(
     vocab_size=50, n_layer=2, n_head=2, d_model=32, max_seq_len=40, mlp="swiglu",
     index_input=False, max_match=15,
+)  # fmt: skip
+FOLLOWERS = ModelConfig(
+    vocab_size=50, n_layer=2, n_head=2, d_model=32, max_seq_len=40, max_match=15,
+    index_followers=3, follower_cap=4,
 )  # fmt: skip
 
 
@@ -39,24 +43,52 @@ def model() -> Transformer:
 
 
 class Text:
-    """A sequence's tokens and index features (random)."""
+    """A sequence's tokens and index features, with the followers of a model that reads
+    ``k`` of them (random)."""
 
-    def __init__(self, rng: np.random.Generator, length: int):
-        self.rng = rng
+    def __init__(self, rng: np.random.Generator, length: int, k: int = 0):
+        self.rng, self.k = rng, k
         self.tokens, self.next_token, self.match_len = [], [], []
+        self.follower_rows: list[tuple] = []  # (tokens, shares, length, total) per position
         self.grow(length)
 
     def grow(self, n: int) -> None:
-        self.tokens += self.rng.integers(0, CONFIG.vocab_size, n).tolist()
-        self.next_token += self.rng.integers(0, CONFIG.vocab_size + 1, n).tolist()
-        self.match_len += self.rng.integers(0, CONFIG.max_match + 1, n).tolist()
+        vocab, rng = CONFIG.vocab_size, self.rng
+        self.tokens += rng.integers(0, vocab, n).tolist()
+        self.next_token += rng.integers(0, vocab + 1, n).tolist()
+        self.match_len += rng.integers(0, CONFIG.max_match + 1, n).tolist()
+        for _ in range(n if self.k else 0):  # (tokens, shares, length, total)
+            k = self.k
+            row = rng.integers(0, vocab + 1, k), rng.random(k).astype(np.float32)
+            self.follower_rows.append((*row, rng.integers(0, 9), rng.integers(0, 9000)))
 
     def lists(self, start: int, stop: int | None = None) -> tuple[list[int], ...]:
         return tuple(xs[start:stop] for xs in (self.tokens, self.next_token, self.match_len))
 
+    def followers(self, start: int, stop: int | None = None) -> FollowerInput | None:
+        """The followers of positions ``start:stop`` [N, ...] (None for a model without)."""
+        if not self.k:
+            return None
+        columns = zip(*self.follower_rows[start:stop])
+        return FollowerInput(*(torch.from_numpy(np.stack(column)) for column in columns))
+
+
+def joined(parts: list[FollowerInput | None]) -> FollowerInput | None:
+    """Followers of several texts' rows, one after another."""
+    if parts[0] is None:
+        return None
+    return FollowerInput(*(torch.cat(column) for column in zip(*(vars(p).values() for p in parts))))
+
+
+def batched(followers: FollowerInput | None) -> FollowerInput | None:
+    return (
+        None if followers is None else FollowerInput(*(t[None] for t in vars(followers).values()))
+    )
+
 
 def full_forward(model: Transformer, text: Text) -> tuple[torch.Tensor, torch.Tensor]:
-    logits, gate = model(*(torch.tensor([xs]) for xs in text.lists(0)), with_gate=True)
+    inputs = (torch.tensor([xs]) for xs in text.lists(0))
+    logits, gate = model(*inputs, with_gate=True, followers=batched(text.followers(0)))
     return logits[0], part(gate, 0)
 
 
@@ -67,7 +99,9 @@ def part(gate: torch.Tensor | None, *index) -> torch.Tensor | None:
 
 @torch.no_grad()
 @pytest.mark.parametrize("fused", [False, True], ids=["model", "fused"])
-@pytest.mark.parametrize(("config", "seed"), [(CONFIG, 1), (CONFIG, 2), (CONFIG, 3), (PLAIN, 4)])
+@pytest.mark.parametrize(
+    ("config", "seed"), [(CONFIG, 1), (CONFIG, 2), (CONFIG, 3), (PLAIN, 4), (FOLLOWERS, 5)]
+)
 def test_cache_matches_full_forward(config, seed, fused):
     model = random_model(config)
     rng = np.random.default_rng(seed)
@@ -77,10 +111,13 @@ def test_cache_matches_full_forward(config, seed, fused):
     admitted = finished = ragged = 0
     for _ in range(30):
         if len(running) < cache.slots and rng.random() < 0.5:  # admit: prefill the prompt
-            text = Text(rng, int(rng.integers(1, 30)))  # from 16 tokens on: BLAS products
+            text = Text(
+                rng, int(rng.integers(1, 30)), config.index_followers
+            )  # from 16 tokens on: BLAS products
             slot = len(running)
             cache.lengths[slot] = 0
-            logits, gate, _ = decoder.decode(*text.lists(0), [len(text.tokens)], first=slot)
+            prompt = (*text.lists(0), [len(text.tokens)], slot)
+            logits, gate, _ = decoder.decode(*prompt, followers=text.followers(0))
             want_logits, want_gate = full_forward(model, text)
             torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
             assert_gates_close(gate, want_gate)
@@ -103,11 +140,13 @@ def test_cache_matches_full_forward(config, seed, fused):
         for text, n in zip(running, counts):
             text.grow(n)
         rows = [sum((t.lists(-n)[k] for t, n in zip(running, counts)), []) for k in range(3)]
-        logits, gate, hidden = decoder.decode(*rows, counts, keep_hidden=True)
+        followers = joined([t.followers(-n) for t, n in zip(running, counts)])
+        logits, gate, hidden = decoder.decode(*rows, counts, keep_hidden=True, followers=followers)
         offset = 0
         for b, (text, n) in enumerate(zip(running, counts)):
             want_logits, want_gate = full_forward(model, text)
-            want_hidden = model.hidden(*(torch.tensor([xs]) for xs in text.lists(0)))[0]
+            inputs = (torch.tensor([xs]) for xs in text.lists(0))
+            want_hidden = model.hidden(*inputs, batched(text.followers(0)))[0]
             mine = slice(offset, offset + n)
             torch.testing.assert_close(logits[mine], want_logits[-n:], atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(hidden[mine], want_hidden[-n:], atol=1e-4, rtol=1e-4)

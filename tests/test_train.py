@@ -16,18 +16,21 @@ import torch
 from conftest import build_docs, random_documents
 from test_features import doc_ids_of
 
+from teralm.index.knn import KnnDatastore
+from teralm.infer.load import load_model
 from teralm.kernels.fragment import fragment_features
 from teralm.kernels.match import doc_start_bits
+from teralm.model.checkpoint import weights_sha256
 from teralm.train.config import DataSettings
 from teralm.train.data import (
     TRAIN_EXACT_LIMIT,
     FragmentSampler,
     causal_followers,
-    follower_arrays,
+    fragment,
     prefetched,
     training_spans,
 )
-from teralm.train.evaluate import causal_infgram
+from teralm.train.evaluate import causal_infgram, document_windows, window_followers
 
 TINY = """
 [model]
@@ -202,13 +205,15 @@ def test_batches_carry_the_followers_of_their_fragments(corpus):
             continue
         lengths = ix.features(start, start + 16).match_len.astype(np.int64)
         found = causal_followers(ix, start + 1, 16, 0, (6,), 3, lengths, TRAIN_EXACT_LIMIT)
-        for name, want in zip(columns, follower_arrays(found, ix.vocab_size)):
+        for name, want in zip(columns, found.first_cap(ix.vocab_size)):
             np.testing.assert_array_equal(getattr(batch, name)[row].numpy(), want)
     assert drops.any() and not drops.all()
     assert batch.followers().tokens.shape == (8, 16, 3)
 
 
-def test_a_run_with_followers_trains_and_scores_but_is_not_served(corpus, tmp_path):
+def test_a_run_with_followers_trains_scores_samples_and_builds_knn(corpus, tmp_path):
+    """The command line takes a run whose model reads the index's followers all the way: its
+    kNN datastore holds each training position's hidden state with the followers eval gives."""
     config = tmp_path / "followers.toml"
     config.write_text(
         TINY.replace("max_steps = 40", "max_steps = 6").replace(
@@ -223,18 +228,39 @@ def test_a_run_with_followers_trains_and_scores_but_is_not_served(corpus, tmp_pa
     scored = run_cli("eval", run, "--index", corpus.directory, "--json", "--quiet")
     assert scored.returncode == 0, scored.stderr
     assert 0 < json.loads(scored.stdout)["model"] < 8
-    refused = run_cli("sample", run, "--index", corpus.directory)
-    assert refused.returncode == 1 and "index_followers" in refused.stderr
-    assert "Traceback" not in refused.stderr
+    sampled = run_cli("sample", run, "--index", corpus.directory, "--tokens", 8)
+    assert sampled.returncode == 0, sampled.stderr
+    assert "--- with the index ---" in sampled.stdout
+    knn = tmp_path / "knn"
+    built = run_cli(
+        "build-knn", run, "--index", corpus.directory, "--out", knn, "--precision", "fp32"
+    )
+    assert built.returncode == 0, built.stderr
+    cpu = torch.device("cpu")
+    model = load_model(run, cpu, "fp32")[0]
+    store = KnnDatastore.open(knn, corpus, weights_sha256(run))
+    doc_start, a, length = next(document_windows(corpus, [1], model.cfg.max_seq_len))
+    window = fragment(corpus, a, length)
+    followers = window_followers(corpus, model, doc_start, a, length, window[2], cpu)
+    with torch.no_grad():
+        inputs = (torch.from_numpy(x)[None] for x in window[:3])
+        hidden = model.hidden(*inputs, followers)[0].numpy()
+    np.testing.assert_allclose(store.search(hidden).distances[:, 0], 0, atol=1e-6)
 
 
 def brute_causal_followers(x, doc_ids, t, length, cap):
     """The longest suffix (at most ``min(length, cap)`` tokens) of the context before t seen
     ending at p, p + 1 < t, followed inside its document: (size, total, followers by count)."""
-    for m in range(min(length, cap), 0, -1):
-        suffix = list(x[t - m : t])
+    return brute_followers(x, doc_ids, x[t - min(length, cap) : t], t)
+
+
+def brute_followers(x, doc_ids, context, before):
+    """The longest suffix of ``context`` seen in ``x`` ending at p, p + 1 < ``before``, followed
+    inside its document: (size, total, followers by count)."""
+    for m in range(len(context), 0, -1):
+        suffix = list(context[len(context) - m :])
         counts: dict[int, int] = {}
-        for p in range(m - 1, t - 1):
+        for p in range(m - 1, before - 1):
             if doc_ids[p - m + 1] != doc_ids[p] or doc_ids[p + 1] != doc_ids[p]:
                 continue
             if list(x[p - m + 1 : p + 1]) == suffix:

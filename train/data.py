@@ -123,15 +123,6 @@ def causal_infgram(
     return out[:, 1], out[:, 2]
 
 
-def follower_arrays(found: Followers, vocab_size: int) -> tuple[np.ndarray, ...]:
-    """``(tokens, shares, length, total)`` of the first cap of ``found``, as the model takes
-    them (``teralm.model.transformer.FollowerInput``: ``vocab_size`` for a missing follower)."""
-    tokens = np.where(found.tokens[:, 0] < 0, vocab_size, found.tokens[:, 0])
-    total = found.totals[:, 0]
-    shares = (found.counts[:, 0] / np.maximum(total, 1)[:, None]).astype(np.float32)
-    return tokens, shares, found.lengths[:, 0], total
-
-
 def causal_followers(
     ix: Index,
     first: int,
@@ -238,7 +229,7 @@ class FragmentSampler:
         found = causal_followers(
             self.ix, start + 1, n, 0, (self.follower_cap,), k, match_len, TRAIN_EXACT_LIMIT
         )
-        return follower_arrays(found, self.ix.vocab_size)
+        return found.first_cap(self.ix.vocab_size)
 
     def _fragment(self, start: int, text: np.ndarray, drop: bool) -> tuple[np.ndarray, ...]:
         """``_features`` and ``_followers`` of one fragment."""

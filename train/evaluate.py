@@ -26,7 +26,6 @@ from teralm.model.transformer import FollowerInput, index_lm_loss
 from teralm.train.data import (
     causal_followers,
     causal_infgram,
-    follower_arrays,
     fragment,
     held_out,
 )
@@ -88,7 +87,7 @@ def window_followers(
     found = causal_followers(
         ix, a + 1, length, doc_start, (cfg.follower_cap,), cfg.index_followers, match_len
     )
-    arrays = follower_arrays(found, ix.vocab_size)
+    arrays = found.first_cap(ix.vocab_size)
     return FollowerInput(*(torch.from_numpy(x)[None].to(device) for x in arrays))
 
 

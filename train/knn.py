@@ -58,6 +58,7 @@ from teralm.infer.load import check_tokenizer, load_model
 from teralm.infer.precision import autocast, default_device
 from teralm.model import Transformer, checkpoint
 from teralm.model.config import AUTO
+from teralm.model.transformer import FollowerInput
 from teralm.train.data import fragment, held_out
 from teralm.train.evaluate import (
     calibrate_knn,
@@ -65,6 +66,7 @@ from teralm.train.evaluate import (
     held_out_documents,
     score,
     summarize,
+    window_followers,
 )
 
 KEY = "final norm input"
@@ -147,17 +149,34 @@ class KeyWriter:
             width = max(length for _, _, length in group)
             columns = np.zeros((3, len(group), width), dtype=np.int64)
             columns[1] = self.ix.no_token
-            for row, (_, a, length) in enumerate(group):
+            followers = []
+            for row, (doc_start, a, length) in enumerate(group):
                 tokens, next_token, match_len, _ = fragment(self.ix, a, length)
                 columns[:, row, :length] = tokens, next_token, match_len
                 positions.append(np.arange(a, a + length))
+                window = (doc_start, a, length, match_len, self.device)
+                followers.append(window_followers(self.ix, self.model, *window))
             inputs = torch.from_numpy(columns).to(self.device)
             with autocast(self.device, self.model.cfg.precision):
-                hidden = self.model.hidden(*inputs).float().cpu().numpy()
+                padded = _padded(followers, width, self.model.cfg.vocab_size)
+                hidden = self.model.hidden(*inputs, padded).float().cpu().numpy()
             keys += [hidden[row, :length] for row, (_, _, length) in enumerate(group)]
         if not keys:
             return np.empty((0, self.model.cfg.d_model), np.float32), np.empty(0, np.int64)
         return np.concatenate(keys), np.concatenate(positions)
+
+
+def _padded(rows: list[FollowerInput | None], width: int, missing: int) -> FollowerInput | None:
+    """Windows' followers ([1, length, ...] each) padded to ``width`` positions (no follower,
+    ``missing``, in the padding) and stacked; None for a model without."""
+    if rows[0] is None:
+        return None
+    columns = []
+    for name, fill in zip(("tokens", "shares", "length", "total"), (missing, 0, 0, 0)):
+        parts = [getattr(row, name) for row in rows]
+        pads = [p.new_full((1, width - p.shape[1], *p.shape[2:]), fill) for p in parts]
+        columns.append(torch.cat([torch.cat(pair, 1) for pair in zip(parts, pads)]))
+    return FollowerInput(*columns)
 
 
 def training_documents(ix: Index, holdout_every: int) -> tuple[list[int], int]:
@@ -249,8 +268,6 @@ def _build_knn(config: KnnBuildConfig) -> KnnBuildResult:
     if precision == AUTO and not config.force:  # a resumed build keeps what auto chose then
         precision = _resumed_precision(config.out) or precision
     model, state, choice = load_model(config.run, device, precision)
-    if model.cfg.index_followers:
-        raise ConfigError(f"{config.run} reads the index's followers, which build-knn cannot yet")
     check_tokenizer(state, ix)
     if not state.get("index") or ix.differs_from(state["index"]):
         raise ConfigError(f"the run was trained on another index than {config.index}")
