@@ -3,15 +3,18 @@ followers at several context lengths, seeing only earlier text, computed per tra
 the global order (``teralm.train.data.causal_followers``).
 
     python benchmarks/bench_followers.py [--batches 20] [--caps 32,8,3] [--k 4]
-                                         [--corpora pydocs,manpages]
+                                         [--corpora pydocs,manpages,headers]
 
 For each corpus's byte index (bench_quality's), draws batches of the tiny preset's shape (16
 fragments of 256 tokens from random places) and times, per batch: the stored features and the
 ∞-gram counts that training reads today (``causal_infgram``), and the followers at each cap.
 It also says how often each cap's first follower is the target, and how often the target is among
 its ``k``, beside the stored follower's rate; by band of the stored match length (1-3, 4-15, 16+
-tokens), which is where the issue asks for gains; and the bytes per token that storing the same
-answer in the index would take. Prints a table and writes benchmarks/results/bench_followers.json.
+tokens), which is where the issue asks for gains; how often the short-window model's first
+follower (``teralm.train.data.short_window``: the last 3 tokens' followers earlier in the
+document) is the target, and is where the stored follower is not; and the bytes per token that
+storing the same answer in the index would take. Prints a table and writes
+benchmarks/results/bench_followers.json.
 """
 
 from __future__ import annotations
@@ -24,10 +27,13 @@ import numpy as np
 from common import corpus_index, save, table
 
 from teralm.index import Index
-from teralm.train.data import TRAIN_EXACT_LIMIT, causal_followers, causal_infgram
+from teralm.model import ModelConfig
+from teralm.train.data import TRAIN_EXACT_LIMIT, causal_followers, causal_infgram, short_window
 
 SEQ_LEN, BATCH = 256, 16
 BANDS = ((1, 3), (4, 15), (16, 1 << 30))
+# the short-window model (PPM-style): the last 3 tokens' followers in the last 2048 of the document
+SHORT_WINDOW = ModelConfig(index_followers=1, window_order=3, window_tokens=2048)
 
 
 def fragments(ix: Index, batches: int, seed: int = 0) -> list[list[int]]:
@@ -54,7 +60,9 @@ def measure(ix: Index, starts: list[list[int]], caps: tuple[int, ...], k: int) -
             followers += time.perf_counter() - middle
             today += middle - began
             targets = ix.tokens(start + 1, start + 1 + SEQ_LEN).astype(np.int64)
-            rows.append((lengths, stored.next_token.astype(np.int64), targets, found))
+            stored_next = stored.next_token.astype(np.int64)
+            window = short_window(ix, SHORT_WINDOW, start + 1, SEQ_LEN, 0)[0][:, 0]
+            rows.append((lengths, stored_next, targets, found, window))
     return {
         "today_ms": 1000 * today / len(starts),
         "followers_ms": 1000 * followers / len(starts),
@@ -77,6 +85,9 @@ def hit_rates(rows: list, caps: tuple[int, ...]) -> dict:
             topk = np.concatenate([(r[3].tokens[:, level] == r[2][:, None]).any(1) for r in rows])
             out[f"cap{cap}_top1_{name}"] = float(top1[band].mean())
             out[f"cap{cap}_topk_{name}"] = float(topk[band].mean())
+        ppm = np.concatenate([r[4] == r[2] for r in rows])
+        out[f"ppm_top1_{name}"] = float(ppm[band].mean())
+        out[f"ppm_only_{name}"] = float((ppm & ~stored_hit)[band].mean())
     return out
 
 
@@ -91,7 +102,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=20)
     parser.add_argument("--caps", default="32,8,3", help="context length caps, longest first")
     parser.add_argument("--k", type=int, default=4, help="followers per cap")
-    parser.add_argument("--corpora", default="pydocs,manpages")
+    parser.add_argument("--corpora", default="pydocs,manpages,headers")
     args = parser.parse_args()
     caps = tuple(int(c) for c in args.caps.split(","))
     rows = []
@@ -128,6 +139,10 @@ def main() -> None:
                 f"top-{args.k} {row[f'cap{cap}_topk_{name}']:.3f}"
                 for cap in caps
             ]
+            cells.append(
+                f"short window: top-1 {row[f'ppm_top1_{name}']:.3f}, "
+                f"right where the stored follower is not {row[f'ppm_only_{name}']:.3f}"
+            )
             print(f"  {name:>5} ({row[f'share_{name}']:.1%}): " + "; ".join(cells))
     print(f"wrote {save('bench_followers', {'caps': caps, 'k': args.k, 'rows': rows})}")
 

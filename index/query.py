@@ -78,12 +78,19 @@ class Followers:
 
     def first_cap(self, missing: int) -> tuple[np.ndarray, ...]:
         """``(tokens, shares, length, total)`` at the first cap, as a model reads them
-        (``teralm.model.transformer.FollowerInput``): ``missing`` for an absent follower, and
-        each follower's count over the suffix's occurrences."""
-        tokens = np.where(self.tokens[:, 0] < 0, missing, self.tokens[:, 0])
-        total = self.totals[:, 0]
-        shares = (self.counts[:, 0] / np.maximum(total, 1)[:, None]).astype(np.float32)
-        return tokens, shares, self.lengths[:, 0], total
+        (``model_input``)."""
+        first = (self.lengths, self.totals, self.tokens, self.counts)
+        return model_input(*(column[:, 0] for column in first), missing)
+
+
+def model_input(lengths, totals, tokens, counts, missing: int) -> tuple[np.ndarray, ...]:
+    """Per context, the ``lengths``/``totals`` of a counted suffix and its top followers
+    ``tokens`` [n, k] with their ``counts``, as a model reads them
+    (``teralm.model.transformer.FollowerInput``, one source): ``(tokens, shares, length,
+    total)``, ``missing`` for an absent follower and each follower's count over the total."""
+    tokens = np.where(tokens < 0, missing, tokens)
+    shares = (counts / np.maximum(totals, 1)[:, None]).astype(np.float32)
+    return tokens, shares, lengths, totals
 
 
 @dataclass

@@ -723,7 +723,7 @@ class Engine:
         ]
         spans = []
         for s, n in zip(seqs, counts):  # each row reads its sequence's text up to its token
-            text = s.tokens[-self.model.cfg.follower_cap :] + [d.token for d in s.drafts]
+            text = s.tokens[-self.model.cfg.follower_reach :] + [d.token for d in s.drafts]
             spans.append(Span(text, len(text) - n, len(text), s.use_index))
         logp, views = self._run_and_mix(owners, contexts, tokens, features, counts, spans)
         start = 0

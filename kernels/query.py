@@ -712,7 +712,7 @@ def _tally_followers(corpus, found, count, stride, limit, separator, tally, seen
 
 
 @njit(cache=True)
-def _take_top(tally, seen, n_seen, tokens, counts):
+def take_top(tally, seen, n_seen, tokens, counts):
     """The ``len(tokens)`` most counted tokens of ``seen[:n_seen]`` (ties: the smaller token
     first) with their counts, into ``tokens`` and ``counts`` (-1 and 0 past the last); clears
     ``tally``."""
@@ -791,7 +791,7 @@ def causal_followers(
                     )
                 if total > 0:
                     lengths[c, level], totals[c, level] = length, total
-                    _take_top(tally, seen, n_seen, tokens[c, level], counts[c, level])
+                    take_top(tally, seen, n_seen, tokens[c, level], counts[c, level])
                     break
                 length -= 1
             reach = length  # nothing longer occurs earlier: the shorter caps start from here

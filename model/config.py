@@ -25,6 +25,9 @@ class ModelConfig:
     and its count), seeing only earlier text (``teralm.train.data.causal_followers``); 0: off,
     as every run before it. Generation counts every occurrence in the index
     (``teralm.infer.followers``).
+    ``window_order``: beside the index's followers, as many from a short-window model (PPM-style):
+    those of the longest of the context's last ``window_order`` tokens that occurs earlier in
+    its document, within its last ``window_tokens`` tokens (``teralm.kernels.window``); 0: off.
     ``precision``: arithmetic of every Linear layer in the blocks (see teralm.kernels.fp8), or
     ``auto`` in a config, which training resolves for the machine before it builds the model.
     """
@@ -45,6 +48,8 @@ class ModelConfig:
     max_match: int = 127
     index_followers: int = 0
     follower_cap: int = 8
+    window_order: int = 0
+    window_tokens: int = 2048
     precision: str = "fp32"
 
     def __post_init__(self) -> None:
@@ -58,6 +63,10 @@ class ModelConfig:
             raise ConfigError("index_followers must be 0 or more and follower_cap at least 1")
         if self.index_followers and not self.index_input:
             raise ConfigError("index_followers is part of the index input: it needs index_input")
+        if self.window_order < 0 or self.window_tokens < 1:
+            raise ConfigError("window_order must be 0 or more and window_tokens at least 1")
+        if self.window_order and not self.index_followers:
+            raise ConfigError("window_order gives as many followers as index_followers: set both")
         if self.precision not in (*PRECISIONS, AUTO):
             raise ConfigError(f"precision must be one of {', '.join((*PRECISIONS, AUTO))}")
 
@@ -72,6 +81,17 @@ class ModelConfig:
         if unknown:
             raise ConfigError(f"unknown model settings: {', '.join(unknown)}")
         return cls(**data)
+
+    @property
+    def follower_sources(self) -> int:
+        """How many counted answers a position's followers come from: the index's, and the
+        short window's with ``window_order`` (0 without ``index_followers``)."""
+        return (1 + (self.window_order > 0)) if self.index_followers else 0
+
+    @property
+    def follower_reach(self) -> int:
+        """How many tokens up to a position its followers read."""
+        return max(self.follower_cap, self.window_tokens if self.window_order else 0)
 
     def windowed(self, layer: int) -> bool:
         """Whether ``layer`` attends only to a short window."""

@@ -114,10 +114,11 @@ def length_bucket(length: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class FollowerInput:
-    """The index's fuller answer at each position (``ModelConfig.index_followers``): the most
-    frequent followers of the context's last ``follower_cap`` tokens, ``tokens`` [B, T, k]
-    (``vocab_size`` where there are fewer) with their ``shares`` of the suffix's occurrences
-    [B, T, k], the suffix's ``length`` [B, T] (0: none occurs) and occurrence count ``total``."""
+    """Counted answers at each position (``ModelConfig.index_followers``), from S sources: the
+    index's most frequent followers of the context's last ``follower_cap`` tokens, then with
+    ``window_order`` the short window's: ``tokens`` [B, T, S, k] (``vocab_size`` where there
+    are fewer) with their ``shares`` of the suffix's occurrences [B, T, S, k], the suffix's
+    ``length`` [B, T, S] (0: none occurs) and occurrence count ``total`` [B, T, S]."""
 
     tokens: torch.Tensor
     shares: torch.Tensor
@@ -137,13 +138,18 @@ class IndexInput(nn.Module):
         self.length_embed = nn.Embedding(buckets, cfg.d_model)
         self.gate = nn.Linear(cfg.d_model, cfg.d_model)
         tables = [self.next_embed, self.length_embed]
-        if cfg.index_followers:
-            self.follower_embed = nn.Embedding(cfg.vocab_size + 1, cfg.d_model)
-            self.follower_length = nn.Embedding(buckets, cfg.d_model)
-            self.follower_count = nn.Embedding(
-                int(length_bucket(torch.tensor(MAX_COUNT))) + 1, cfg.d_model
+        count_buckets = int(length_bucket(torch.tensor(MAX_COUNT))) + 1
+        self.sources: list[tuple[nn.Embedding, nn.Embedding, nn.Embedding]] = []
+        for name in ("follower", "window")[: cfg.follower_sources]:
+            source = (
+                nn.Embedding(cfg.vocab_size + 1, cfg.d_model),
+                nn.Embedding(buckets, cfg.d_model),
+                nn.Embedding(count_buckets, cfg.d_model),
             )
-            tables += [self.follower_embed, self.follower_length, self.follower_count]
+            for part, table in zip(("embed", "length", "count"), source):
+                self.add_module(f"{name}_{part}", table)
+            self.sources.append(source)
+            tables += source
         for table in tables:
             nn.init.normal_(table.weight, std=0.02)
         nn.init.zeros_(self.gate.bias)
@@ -168,15 +174,16 @@ class IndexInput(nn.Module):
     def follower_parts(
         self, followers: FollowerInput, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the followers add [..., d_model]: their suffix's length and count embedded
-        (``summary``, which the gate also reads) and their embeddings weighted by their
-        shares (``weighted``)."""
-        counts = length_bucket(followers.total.clamp(max=MAX_COUNT))
-        summary = self.follower_length(length_bucket(followers.length)) + self.follower_count(
-            counts
-        )
-        embedded = self.follower_embed(followers.tokens)
-        weighted = (followers.shares.unsqueeze(-1).to(dtype) * embedded).sum(-2)
+        """What the followers add [..., d_model], summed over their sources: each suffix's
+        length and count embedded (``summary``, which the gate also reads) and the followers'
+        embeddings weighted by their shares (``weighted``)."""
+        summary = weighted = 0
+        for s, (embed, length_table, count_table) in enumerate(self.sources):
+            counts = length_bucket(followers.total[..., s].clamp(max=MAX_COUNT))
+            lengths = length_bucket(followers.length[..., s])
+            summary = summary + length_table(lengths) + count_table(counts)
+            shares = followers.shares[..., s, :].unsqueeze(-1).to(dtype)
+            weighted = weighted + (shares * embed(followers.tokens[..., s, :])).sum(-2)
         return summary, weighted
 
 

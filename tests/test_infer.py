@@ -14,7 +14,7 @@ import torch
 from serving import greedy, request, serve_in_thread
 from test_cli import run_cli
 from test_features import doc_ids_of
-from test_train import brute_followers
+from test_train import brute_followers, brute_window_followers
 from torch import nn
 
 from teralm.index.query import OnlineMatcher
@@ -278,10 +278,13 @@ def test_drafts_from_the_index_change_no_greedy_token_nor_logprob(
 
 
 def test_online_followers_count_every_occurrence_in_the_index(tiny_run):
-    """The followers of generated text: every occurrence in the index counts (the text is not
-    in it), against a scan of the corpus; rows of a sequence without the index get none."""
+    """The counted answers of generated text: the index's followers count every occurrence in
+    the index (the text is not in it), the short window's read the text itself, against scans;
+    rows of a sequence without the index get none from it."""
     ix = tiny_run["ix"]
-    cfg = dataclasses.replace(tiny_run["model"].cfg, index_followers=3, follower_cap=6)
+    cfg = dataclasses.replace(
+        tiny_run["model"].cfg, index_followers=3, follower_cap=6, window_order=2, window_tokens=12
+    )
     x, doc_ids = ix.tokens(0, ix.num_tokens), doc_ids_of(ix)
     rng = np.random.default_rng(8)
     texts = [
@@ -293,14 +296,19 @@ def test_online_followers_count_every_occurrence_in_the_index(tiny_run):
     for text, first, stop, use_index in spans:
         for j in range(first, stop):
             context = text[max(0, j + 1 - cfg.follower_cap) : j + 1] if use_index else []
-            size, total, top = brute_followers(x, doc_ids, context, ix.num_tokens)
-            assert (int(got.length[r]), int(got.total[r])) == (size, total), (text, j)
-            want = top[:3] + [(cfg.vocab_size, 0)] * (3 - len(top[:3]))
-            assert got.tokens[r].tolist() == [token for token, _ in want]
-            shares = [count / max(total, 1) for _, count in want]
-            np.testing.assert_allclose(got.shares[r].numpy(), shares, rtol=1e-6)
+            index = brute_followers(x, doc_ids, context, ix.num_tokens)
+            window = brute_window_followers(text, j + 1, max(0, j + 1 - 12), 2)
+            for source, (size, total, top) in enumerate((index, window)):
+                row = (int(got.length[r, source]), int(got.total[r, source]))
+                assert row == (size, total), (text, j, source)
+                want = top[:3] + [(cfg.vocab_size, 0)] * (3 - len(top[:3]))
+                assert got.tokens[r, source].tolist() == [token for token, _ in want]
+                shares = [count / max(total, 1) for _, count in want]
+                np.testing.assert_allclose(got.shares[r, source].numpy(), shares, rtol=1e-6)
             r += 1
-    assert r == len(got.length) and (got.length[:9] > 2).any() and (got.length[-2:] == 0).all()
+    lengths = got.length
+    assert r == len(lengths) and (lengths[:9, 0] > 2).any() and (lengths[-2:, 0] == 0).all()
+    assert (lengths[:, 1] == 2).any()
 
 
 @pytest.fixture(scope="module")
@@ -311,8 +319,9 @@ def model_with_followers(tiny_run, tmp_path_factory) -> Transformer:
     from teralm.train.loop import train
 
     shape = ModelConfig(
-        n_layer=2, n_head=2, d_model=32, max_seq_len=48, index_followers=3, follower_cap=6
-    )
+        n_layer=2, n_head=2, d_model=32, max_seq_len=48, index_followers=3, follower_cap=6,
+        window_order=2, window_tokens=16,
+    )  # fmt: skip
     steps = TrainConfig(batch_size=4, seq_len=32, max_steps=20, warmup_steps=3)
     folder = tmp_path_factory.mktemp("followers")
     train(tiny_run["ix"], RunConfig(shape, steps), folder, progress=False)
@@ -320,11 +329,7 @@ def model_with_followers(tiny_run, tmp_path_factory) -> Transformer:
     index_input = model.index_input
     torch.manual_seed(0)
     with torch.no_grad():
-        for table in (
-            index_input.follower_embed,
-            index_input.follower_length,
-            index_input.follower_count,
-        ):
+        for table in (table for source in index_input.sources for table in source):
             table.weight.normal_(0, 1.0)
     return model
 

@@ -24,7 +24,7 @@ PLAIN = ModelConfig(
 )  # fmt: skip
 FOLLOWERS = ModelConfig(
     vocab_size=50, n_layer=2, n_head=2, d_model=32, max_seq_len=40, max_match=15,
-    index_followers=3, follower_cap=4,
+    index_followers=3, follower_cap=4, window_order=2,
 )  # fmt: skip
 
 
@@ -44,10 +44,10 @@ def model() -> Transformer:
 
 class Text:
     """A sequence's tokens and index features, with the followers of a model that reads
-    ``k`` of them (random)."""
+    ``k`` of them from each of its ``sources`` (random)."""
 
-    def __init__(self, rng: np.random.Generator, length: int, k: int = 0):
-        self.rng, self.k = rng, k
+    def __init__(self, rng: np.random.Generator, length: int, k: int = 0, sources: int = 0):
+        self.rng, self.k, self.sources = rng, k, sources
         self.tokens, self.next_token, self.match_len = [], [], []
         self.follower_rows: list[tuple] = []  # (tokens, shares, length, total) per position
         self.grow(length)
@@ -58,9 +58,10 @@ class Text:
         self.next_token += rng.integers(0, vocab + 1, n).tolist()
         self.match_len += rng.integers(0, CONFIG.max_match + 1, n).tolist()
         for _ in range(n if self.k else 0):  # (tokens, shares, length, total)
-            k = self.k
-            row = rng.integers(0, vocab + 1, k), rng.random(k).astype(np.float32)
-            self.follower_rows.append((*row, rng.integers(0, 9), rng.integers(0, 9000)))
+            shape = (self.sources, self.k)
+            row = rng.integers(0, vocab + 1, shape), rng.random(shape).astype(np.float32)
+            counted = rng.integers(0, 9, self.sources), rng.integers(0, 9000, self.sources)
+            self.follower_rows.append((*row, *counted))
 
     def lists(self, start: int, stop: int | None = None) -> tuple[list[int], ...]:
         return tuple(xs[start:stop] for xs in (self.tokens, self.next_token, self.match_len))
@@ -111,9 +112,8 @@ def test_cache_matches_full_forward(config, seed, fused):
     admitted = finished = ragged = 0
     for _ in range(30):
         if len(running) < cache.slots and rng.random() < 0.5:  # admit: prefill the prompt
-            text = Text(
-                rng, int(rng.integers(1, 30)), config.index_followers
-            )  # from 16 tokens on: BLAS products
+            length = int(rng.integers(1, 30))  # from 16 tokens on: BLAS products
+            text = Text(rng, length, config.index_followers, config.follower_sources)
             slot = len(running)
             cache.lengths[slot] = 0
             prompt = (*text.lists(0), [len(text.tokens)], slot)

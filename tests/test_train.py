@@ -20,17 +20,21 @@ from teralm.index.knn import KnnDatastore
 from teralm.infer.load import load_model
 from teralm.kernels.fragment import fragment_features
 from teralm.kernels.match import doc_start_bits
+from teralm.kernels.window import window_followers
+from teralm.model import ModelConfig
 from teralm.model.checkpoint import weights_sha256
 from teralm.train.config import DataSettings
 from teralm.train.data import (
     TRAIN_EXACT_LIMIT,
     FragmentSampler,
     causal_followers,
+    counted_answers,
     fragment,
     prefetched,
+    short_window,
     training_spans,
 )
-from teralm.train.evaluate import causal_infgram, document_windows, window_followers
+from teralm.train.evaluate import causal_infgram, document_windows, window_answers
 
 TINY = """
 [model]
@@ -186,29 +190,75 @@ def test_causal_followers_of_batches_equal_brute_force(corpus):
                 )
 
 
-def test_batches_carry_the_followers_of_their_fragments(corpus):
-    """With index_followers, a kept fragment's followers are ``causal_followers`` of its
-    targets (from the stored matches), a dropped one's are none; without, the batch has none."""
+def test_batches_carry_the_counted_answers_of_their_fragments(corpus):
+    """With index_followers, a kept fragment's followers are ``counted_answers`` of its targets
+    (from the stored matches), a dropped one's have none from the index but keep the short
+    window's; without, the batch has none."""
     ix = corpus
     data = DataSettings(seq_len=16, batch_size=8, seed=3, holdout_every=5, index_dropout=0.5)
+    cfg = ModelConfig(index_followers=3, follower_cap=6, window_order=2, window_tokens=30)
     plain = FragmentSampler(ix, data, infgram=True)
-    richer = FragmentSampler(ix, data, infgram=True, followers=(3, 6))
+    richer = FragmentSampler(ix, data, infgram=True, model=cfg)
     assert plain.batch(2).followers() is None
     batch, same = richer.batch(2), plain.batch(2)
     assert torch.equal(batch.tokens, same.tokens) and torch.equal(batch.match_len, same.match_len)
     starts, drops = richer.draw(2)
     columns = ("follower_tokens", "follower_shares", "follower_length", "follower_total")
     for row, (start, drop) in enumerate(zip(starts, drops)):
-        if drop:
-            assert (batch.follower_length[row] == 0).all()
-            assert (batch.follower_tokens[row] == ix.vocab_size).all()
-            continue
         lengths = ix.features(start, start + 16).match_len.astype(np.int64)
-        found = causal_followers(ix, start + 1, 16, 0, (6,), 3, lengths, TRAIN_EXACT_LIMIT)
-        for name, want in zip(columns, found.first_cap(ix.vocab_size)):
+        rows = (ix, cfg, start + 1, 16, 0, lengths, TRAIN_EXACT_LIMIT, not drop)
+        for name, want in zip(columns, counted_answers(*rows)):
             np.testing.assert_array_equal(getattr(batch, name)[row].numpy(), want)
-    assert drops.any() and not drops.all()
-    assert batch.followers().tokens.shape == (8, 16, 3)
+        if drop:
+            assert (batch.follower_length[row, :, 0] == 0).all()
+            assert (batch.follower_tokens[row, :, 0] == ix.vocab_size).all()
+    assert drops.any() and not drops.all() and (batch.follower_length[:, :, 1] > 0).any()
+    assert batch.followers().tokens.shape == (8, 16, 2, 3)
+
+
+def test_short_window_answers_equal_brute_force(corpus):
+    """Each target's short-window followers come from its own document's earlier text within
+    the window (several documents in one call), against a scan."""
+    ix, order, window = corpus, 3, 40
+    cfg = ModelConfig(index_followers=2, window_order=order, window_tokens=window)
+    x, doc_ids = ix.tokens(0, ix.num_tokens).astype(np.int64), doc_ids_of(ix)
+    first, count = 1, min(ix.num_tokens - 1, 1500)
+    tokens, shares, length, total = short_window(ix, cfg, first, count, 0)
+    for i, t in enumerate(range(first, first + count)):
+        lo = max(int(ix.offsets[doc_ids[t]]), t - window)
+        size, occurrences, top = brute_window_followers(x, t, lo, order)
+        assert (length[i], total[i]) == (size, occurrences), t
+        want = top[:2] + [(ix.vocab_size, 0)] * (2 - len(top[:2]))
+        assert tokens[i].tolist() == [token for token, _ in want]
+        np.testing.assert_allclose(shares[i], [c / max(occurrences, 1) for _, c in want])
+    assert (length == order).any() and (length == 1).any() and (length == 0).any()
+
+
+def test_short_window_sees_nothing_at_or_after_its_target():
+    rng = np.random.default_rng(4)
+    text = rng.integers(0, 3, 300)
+    targets = np.arange(1, 301)
+    lows = np.maximum(targets - 50, 0)
+    whole = window_followers(text, targets, lows, 3, 2, 3)
+    for t in (1, 40, 120, 299):
+        changed = text.copy()
+        changed[t:] = rng.integers(0, 3, len(text) - t)
+        again = window_followers(changed, targets, lows, 3, 2, 3)
+        for a, b in zip(whole, again):
+            np.testing.assert_array_equal(a[:t], b[:t])
+
+
+def brute_window_followers(x, t, lo, order):
+    """The longest suffix (at most ``order`` tokens) of ``x[lo:t]`` seen in ``x[lo:t]`` ending
+    at p, p + 1 < t: (size, total, followers by count)."""
+    for m in range(min(order, t - lo), 0, -1):
+        counts: dict[int, int] = {}
+        for p in range(lo + m - 1, t - 1):
+            if list(x[p - m + 1 : p + 1]) == list(x[t - m : t]):
+                counts[int(x[p + 1])] = counts.get(int(x[p + 1]), 0) + 1
+        if counts:
+            return m, sum(counts.values()), sorted(counts.items(), key=lambda tc: (-tc[1], tc[0]))
+    return 0, 0, []
 
 
 def test_a_run_with_followers_trains_scores_samples_and_builds_knn(corpus, tmp_path):
@@ -241,7 +291,7 @@ def test_a_run_with_followers_trains_scores_samples_and_builds_knn(corpus, tmp_p
     store = KnnDatastore.open(knn, corpus, weights_sha256(run))
     doc_start, a, length = next(document_windows(corpus, [1], model.cfg.max_seq_len))
     window = fragment(corpus, a, length)
-    followers = window_followers(corpus, model, doc_start, a, length, window[2], cpu)
+    followers = window_answers(corpus, model, doc_start, a, length, window[2], cpu)
     with torch.no_grad():
         inputs = (torch.from_numpy(x)[None] for x in window[:3])
         hidden = model.hidden(*inputs, followers)[0].numpy()

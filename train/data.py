@@ -18,8 +18,10 @@ import torch
 
 from teralm.errors import ConfigError
 from teralm.index import Index
-from teralm.index.query import EXACT_LIMIT, Followers
+from teralm.index.query import EXACT_LIMIT, Followers, model_input
 from teralm.kernels.fragment import fragment_features
+from teralm.kernels.window import window_followers
+from teralm.model import ModelConfig
 from teralm.model.transformer import FollowerInput
 from teralm.train.config import DataSettings
 
@@ -41,7 +43,7 @@ class Batch:
     targets: torch.Tensor
     infgram_total: torch.Tensor
     infgram_hits: torch.Tensor
-    follower_tokens: torch.Tensor  # [b, t, k]; k = 0 without index_followers
+    follower_tokens: torch.Tensor  # [b, t, sources, k]; empty without index_followers
     follower_shares: torch.Tensor
     follower_length: torch.Tensor
     follower_total: torch.Tensor
@@ -140,6 +142,51 @@ def causal_followers(
     return ix.query.causal_followers(text, begins, ends, limits, caps, k, exact_limit)
 
 
+def short_window(
+    ix: Index, cfg: ModelConfig, first: int, count: int, doc_start: int
+) -> tuple[np.ndarray, ...]:
+    """The short window's answer (``teralm.kernels.window``, as a model reads it) for target
+    positions ``first .. first+count-1``: each reads its own document (from ``doc_start`` on)
+    within its last ``cfg.window_tokens`` tokens."""
+    targets = np.arange(first, first + count, dtype=np.int64)
+    docs = np.searchsorted(ix.offsets, targets, side="right") - 1
+    starts = np.maximum(np.asarray(ix.offsets[docs], dtype=np.int64), doc_start)
+    lows = np.maximum(starts, targets - cfg.window_tokens)
+    base = int(lows.min(initial=first))
+    text = ix.tokens(base, max(base, first + count - 1)).astype(np.int64)
+    k, vocab = cfg.index_followers, ix.vocab_size
+    found = window_followers(text, targets - base, lows - base, cfg.window_order, k, vocab)
+    return model_input(*found, vocab)
+
+
+def counted_answers(
+    ix: Index,
+    cfg: ModelConfig,
+    first: int,
+    count: int,
+    doc_start: int,
+    lengths: np.ndarray | None = None,
+    exact_limit: int = EXACT_LIMIT,
+    from_index: bool = True,
+) -> tuple[np.ndarray, ...]:
+    """``(tokens, shares, length, total)`` with a source axis (``FollowerInput``) for target
+    positions ``first .. first+count-1``, from the sources ``cfg`` reads: the index's followers
+    (``causal_followers`` at ``cfg.follower_cap``; none unless ``from_index``) and the short
+    window's (``short_window``)."""
+    k, vocab = cfg.index_followers, ix.vocab_size
+    if from_index:
+        caps = (cfg.follower_cap,)
+        found = causal_followers(ix, first, count, doc_start, caps, k, lengths, exact_limit)
+        sources = [found.first_cap(vocab)]
+    else:
+        shape = (count, k)
+        none = np.full(shape, vocab), np.zeros(shape, np.float32), np.zeros(count, np.int64)
+        sources = [(*none, np.zeros(count, np.int64))]
+    if cfg.window_order:
+        sources.append(short_window(ix, cfg, first, count, doc_start))
+    return tuple(np.stack(column, axis=1) for column in zip(*sources))
+
+
 class FragmentSampler:
     """Deterministic random fragments of ``seq_len + 1`` tokens from the training spans, as
     the ``data`` settings say (teralm.train.config.DataSettings), with the ∞-gram counts of
@@ -152,7 +199,8 @@ class FragmentSampler:
     ``world`` (``share``) draws its own ``batch_size / world`` fragments, determined by (seed,
     step, micro-batch, rank, world); one process draws as it always has, by (seed, step, micro).
     The fragments' ∞-gram counts are made in ``workers`` threads (the kernels release the GIL);
-    the batch does not depend on their number."""
+    the batch does not depend on their number. ``model``: the model's config, for the counted
+    answers it reads (``counted_answers``; none without ``index_followers``)."""
 
     def __init__(
         self,
@@ -161,10 +209,10 @@ class FragmentSampler:
         infgram: bool = False,
         share: tuple[int, int] = (0, 1),
         workers: int = 1,
-        followers: tuple[int, int] = (0, 1),
+        model: ModelConfig | None = None,
     ):
         rank, world = share
-        self.follower_k, self.follower_cap = followers
+        self.model = model if model is not None and model.index_followers else None
         self.ix, self.seq_len, self.seed = ix, data.seq_len, data.seed
         self.batch_size = data.batch_size // world
         self.key = [] if world == 1 else [rank, world]
@@ -174,7 +222,7 @@ class FragmentSampler:
         self_features = data.index_dropout > 0 and data.dropout_features == "self"
         self.doc_bits = ix.query.doc_bits if self_features else None
         self.pool = None
-        if (infgram or self.follower_k) and workers > 1:
+        if (infgram or self.model) and workers > 1:
             self.pool = ThreadPoolExecutor(workers, thread_name_prefix="teralm-infgram")
         spans = training_spans(ix, data.holdout_every)
         room = spans[:, 1] - spans[:, 0] - seq_len  # fragment starts per span
@@ -214,22 +262,18 @@ class FragmentSampler:
         return next_token, match_len, total, hits
 
     def _followers(self, start: int, match_len: np.ndarray, drop: bool) -> tuple[np.ndarray, ...]:
-        """``(tokens, shares, length, total)`` of the fragment's targets' most frequent
-        followers (``causal_followers``; none for a dropped fragment, nor without
+        """``(tokens, shares, length, total)`` of the fragment's targets' counted answers
+        (``counted_answers``; none from the index for a dropped fragment; empty without
         ``index_followers``)."""
-        n, k = self.seq_len, self.follower_k
-        if drop or k == 0:
-            tokens = np.full((n, k), self.ix.vocab_size, np.int64)
+        n = self.seq_len
+        if self.model is None:
             return (
-                tokens,
-                np.zeros((n, k), np.float32),
-                np.zeros(n, np.int64),
-                np.zeros(n, np.int64),
+                np.zeros((n, 0, 0), np.int64),
+                np.zeros((n, 0, 0), np.float32),
+                *[np.zeros((n, 0), np.int64)] * 2,
             )
-        found = causal_followers(
-            self.ix, start + 1, n, 0, (self.follower_cap,), k, match_len, TRAIN_EXACT_LIMIT
-        )
-        return found.first_cap(self.ix.vocab_size)
+        rows = (self.ix, self.model, start + 1, n, 0, match_len, TRAIN_EXACT_LIMIT, not drop)
+        return counted_answers(*rows)
 
     def _fragment(self, start: int, text: np.ndarray, drop: bool) -> tuple[np.ndarray, ...]:
         """``_features`` and ``_followers`` of one fragment."""

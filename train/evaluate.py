@@ -24,8 +24,8 @@ from teralm.infer.precision import autocast
 from teralm.model import Transformer
 from teralm.model.transformer import FollowerInput, index_lm_loss
 from teralm.train.data import (
-    causal_followers,
     causal_infgram,
+    counted_answers,
     fragment,
     held_out,
 )
@@ -77,17 +77,14 @@ def document_windows(ix: Index, docs, seq_len: int, max_tokens: int | None = Non
             covered += length
 
 
-def window_followers(
+def window_answers(
     ix: Index, model: Transformer, doc_start: int, a: int, length: int, match_len, device
 ) -> FollowerInput | None:
-    """The index's fuller answer for a window's targets, for a model with index_followers."""
-    cfg = model.cfg
-    if not cfg.index_followers:  # a config with followers has the index input (ModelConfig)
+    """The counted answers of a window's targets (``counted_answers``), for a model with
+    index_followers."""
+    if not model.cfg.index_followers:  # a config with followers has the index input (ModelConfig)
         return None
-    found = causal_followers(
-        ix, a + 1, length, doc_start, (cfg.follower_cap,), cfg.index_followers, match_len
-    )
-    arrays = found.first_cap(ix.vocab_size)
+    arrays = counted_answers(ix, model.cfg, a + 1, length, doc_start, match_len)
     return FollowerInput(*(torch.from_numpy(x)[None].to(device) for x in arrays))
 
 
@@ -115,7 +112,7 @@ def score(
         tokens, next_token, match_len, targets, counted, hits_t = (
             torch.from_numpy(x)[None].to(device) for x in (*window, total, hit)
         )
-        followers = window_followers(ix, model, doc_start, a, length, window[2], device)
+        followers = window_answers(ix, model, doc_start, a, length, window[2], device)
         with autocast(device, cfg.precision):
             hidden = model.hidden(tokens, next_token, match_len, followers)
             logits, gate = model.head(hidden)

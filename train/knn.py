@@ -66,7 +66,7 @@ from teralm.train.evaluate import (
     held_out_documents,
     score,
     summarize,
-    window_followers,
+    window_answers,
 )
 
 KEY = "final norm input"
@@ -155,7 +155,7 @@ class KeyWriter:
                 columns[:, row, :length] = tokens, next_token, match_len
                 positions.append(np.arange(a, a + length))
                 window = (doc_start, a, length, match_len, self.device)
-                followers.append(window_followers(self.ix, self.model, *window))
+                followers.append(window_answers(self.ix, self.model, *window))
             inputs = torch.from_numpy(columns).to(self.device)
             with autocast(self.device, self.model.cfg.precision):
                 padded = _padded(followers, width, self.model.cfg.vocab_size)

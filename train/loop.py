@@ -225,9 +225,8 @@ class Trainer:
             data = dataclasses.replace(data, index_dropout=0.0)
         infgram = self.model.mixture_gate is not None
         share = (self.sync.part, self.sync.parts)
-        followers = (self.config.model.index_followers, self.config.model.follower_cap)
         threads = torch.get_num_threads()
-        return FragmentSampler(self.ix, data, infgram, share, threads, followers)
+        return FragmentSampler(self.ix, data, infgram, share, threads, self.config.model)
 
     def announce(self, show: bool) -> None:
         """The precision (and the processes) on stderr; a slow precision's warning."""
