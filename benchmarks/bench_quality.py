@@ -12,7 +12,9 @@ interpolations, also by the stored match length of each context. Prints a table 
 writes benchmarks/results/bench_quality.json. ``--size 4x``: the scale check, a model about four
 times the tiny preset's parameters (7 layers of width 384: 12.7M parameters against 3.4M) trained
 for a quarter of its steps, so in about the same CPU time; writes bench_quality_4x.json.
-``--set index_dropout=0.3``: a training setting other than the preset's, for an A/B.
+``--set index_dropout=0.3``: a training setting other than the preset's, for an A/B (or a
+``[model]`` one: ``--set index_followers=4 --set window_order=3``; the run without the index
+drops what needs the index input).
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+from dataclasses import fields
 from pathlib import Path
 
 from common import CORPORA, corpus_index, quality_work, save, table, teralm_cli
 
+from teralm.model import ModelConfig
 from teralm.train.config import PRESETS
 from teralm.train.report import read_metrics
 
@@ -40,6 +44,9 @@ def train_args(size: str, settings: dict, folder: Path, steps: int | None) -> li
     if not model and not settings:
         return ["--preset", "tiny", *(["--max-steps", steps] if steps else [])]
     tiny = PRESETS["tiny"]
+    model_names = {f.name for f in fields(ModelConfig)}
+    model = {**model, **{k: v for k, v in settings.items() if k in model_names}}
+    settings = {k: v for k, v in settings.items() if k not in model_names}
     train = {**tiny["train"], "max_steps": steps or tiny["train"]["max_steps"] // fewer, **settings}
     tables = {"model": {**tiny["model"], **model}, "train": train}
     text = "".join(
@@ -157,7 +164,7 @@ def main() -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument(
         "--set", type=setting, action="append", default=[], metavar="KEY=VALUE",
-        help="a [train] setting for both runs, e.g. index_dropout=0.3 (repeatable)",
+        help="a [train] or [model] setting for both runs, e.g. index_dropout=0.3 (repeatable)",
     )  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=100_000)
     parser.add_argument("--precision", default="auto")

@@ -116,7 +116,7 @@ def train_run(args: argparse.Namespace) -> int:
             config = load_config(args.preset, args.config)
         if args.no_index_input:
             config.model.index_input = False
-            config.model.index_followers = 0
+            config.model.index_followers = config.model.window_order = 0
         if args.precision:
             config.model.precision = args.precision
         config.train = dataclasses.replace(config.train, **given_settings(args))
