@@ -18,6 +18,7 @@ from test_train import brute_followers, brute_window_followers
 from torch import nn
 
 from teralm.index.query import OnlineMatcher
+from teralm.infer import followers as followers_module
 from teralm.infer.engine import Engine, Sequence
 from teralm.infer.followers import Span, online_followers
 from teralm.infer.fp8 import Fp8Embedding, Fp8Linear
@@ -277,10 +278,12 @@ def test_drafts_from_the_index_change_no_greedy_token_nor_logprob(
     assert ix.decode([e.token for e in drafted[0]]) == want
 
 
-def test_online_followers_count_every_occurrence_in_the_index(tiny_run):
+def test_online_followers_count_every_occurrence_in_the_index(tiny_run, monkeypatch):
     """The counted answers of generated text: the index's followers count every occurrence in
-    the index (the text is not in it), the short window's read the text itself, against scans;
-    rows of a sequence without the index get none from it."""
+    the index (the text is not in it; counted whole here, where serving samples past
+    ``FOLLOWER_SAMPLE``), the short window's read the text itself, against scans; rows of a
+    sequence without the index get none from it."""
+    monkeypatch.setattr(followers_module, "FOLLOWER_SAMPLE", 1 << 20)
     ix = tiny_run["ix"]
     cfg = dataclasses.replace(
         tiny_run["model"].cfg, index_followers=3, follower_cap=6, window_order=2, window_tokens=12
