@@ -14,15 +14,10 @@ import numpy as np
 import torch
 
 from teralm.index import Index
-from teralm.index.query import model_input
+from teralm.index.query import TRAIN_EXACT_LIMIT, model_input
 from teralm.kernels.window import window_followers
 from teralm.model import ModelConfig
 from teralm.model.transformer import FollowerInput
-
-# A context with more occurrences than this has its followers counted on a sample of them, as in
-# training (teralm.train.data.TRAIN_EXACT_LIMIT). With the index's limit (EXACT_LIMIT) a single
-# stream decoded at 458 tokens/s on a 2-core CPU, with this one at 640 (bench_serve, --speculate 0).
-FOLLOWER_SAMPLE = 1 << 10
 
 
 class Span(NamedTuple):
@@ -47,7 +42,7 @@ def online_followers(ix: Index, cfg: ModelConfig, spans: list[Span]) -> Follower
     begins = np.where(using, np.maximum(targets - cfg.follower_cap, starts), targets)
     limits = np.full(len(targets), ix.num_tokens + 1, dtype=np.int64)  # all of the index
     caps = (cfg.follower_cap,)
-    found = ix.query.causal_followers(text, begins, targets, limits, caps, k, FOLLOWER_SAMPLE)
+    found = ix.query.causal_followers(text, begins, targets, limits, caps, k, TRAIN_EXACT_LIMIT)
     sources = [found.first_cap(vocab)]
     if cfg.window_order:
         text, targets, starts = _rows(spans, cfg.window_tokens)

@@ -281,9 +281,9 @@ def test_drafts_from_the_index_change_no_greedy_token_nor_logprob(
 def test_online_followers_count_every_occurrence_in_the_index(tiny_run, monkeypatch):
     """The counted answers of generated text: the index's followers count every occurrence in
     the index (the text is not in it; counted whole here, where serving samples past
-    ``FOLLOWER_SAMPLE``), the short window's read the text itself, against scans; rows of a
+    ``TRAIN_EXACT_LIMIT``, as training does), the short window's read the text itself, against scans; rows of a
     sequence without the index get none from it."""
-    monkeypatch.setattr(followers_module, "FOLLOWER_SAMPLE", 1 << 20)
+    monkeypatch.setattr(followers_module, "TRAIN_EXACT_LIMIT", 1 << 20)
     ix = tiny_run["ix"]
     cfg = dataclasses.replace(
         tiny_run["model"].cfg, index_followers=3, follower_cap=6, window_order=2, window_tokens=12

@@ -18,17 +18,12 @@ import torch
 
 from teralm.errors import ConfigError
 from teralm.index import Index
-from teralm.index.query import EXACT_LIMIT, Followers, model_input
+from teralm.index.query import EXACT_LIMIT, TRAIN_EXACT_LIMIT, Followers, model_input
 from teralm.kernels.fragment import fragment_features
 from teralm.kernels.window import window_followers
 from teralm.model import ModelConfig
 from teralm.model.transformer import FollowerInput
 from teralm.train.config import DataSettings
-
-# Training's ∞-gram counts sample contexts past this many occurrences, where serving and
-# evaluation sample past EXACT_LIMIT: on pydocs a batch's counts cost a fifth less, and the
-# ∞-gram's probability of the target moved by 0.0008 on average.
-TRAIN_EXACT_LIMIT = 1 << 10
 
 
 @dataclass
