@@ -3,7 +3,8 @@ the same document, counted within a window of recent text.
 
 The index answers from the whole corpus; this answers from the text at hand, where a name or a
 phrase that just appeared is likely to come again, and it needs no index (generated text has it
-too). Occurrences are found by scanning the window: O(window × order) per position.
+too). Occurrences are found in one scan of the window per position, which counts the followers
+of the longest suffix seen so far: O(window) comparisons, most of them ending at the first token.
 """
 
 from __future__ import annotations
@@ -12,6 +13,15 @@ import numpy as np
 from numba import njit
 
 from teralm.kernels.query import take_top
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _common_suffix(text, p, q, limit):
+    """How many tokens (at most ``limit``) ending at ``p`` equal those ending at ``q``."""
+    m = 0
+    while m < limit and text[p - m] == text[q - m]:
+        m += 1
+    return m
 
 
 @njit(cache=True, nogil=True)
@@ -34,23 +44,22 @@ def window_followers(text, targets, lows, order, k, vocab):
     seen = np.empty(vocab, dtype=np.int64)
     for c in range(n):
         t, lo = targets[c], lows[c]
-        for m in range(min(order, t - lo), 0, -1):  # the longest suffix that occurs
-            total, n_seen = 0, 0
-            for p in range(lo + m - 1, t - 1):
-                same = True
-                for j in range(m):
-                    if text[p - j] != text[t - 1 - j]:
-                        same = False
-                        break
-                if same:
-                    follower = text[p + 1]
-                    if tally[follower] == 0:
-                        seen[n_seen] = follower
-                        n_seen += 1
-                    tally[follower] += 1
-                    total += 1
-            if total > 0:
-                lengths[c], totals[c] = m, total
-                take_top(tally, seen, n_seen, tokens[c], counts[c])
-                break
+        best, total, n_seen = 0, 0, 0  # the longest suffix that occurs, and what follows it
+        for p in range(lo, t - 1):
+            m = _common_suffix(text, p, t - 1, min(order, p - lo + 1))
+            if m == 0 or m < best:
+                continue
+            if m > best:  # a longer suffix: forget the shorter one's followers
+                for j in range(n_seen):
+                    tally[seen[j]] = 0
+                best, total, n_seen = m, 0, 0
+            follower = text[p + 1]
+            if tally[follower] == 0:
+                seen[n_seen] = follower
+                n_seen += 1
+            tally[follower] += 1
+            total += 1
+        if best:
+            lengths[c], totals[c] = best, total
+            take_top(tally, seen, n_seen, tokens[c], counts[c])
     return lengths, totals, tokens, counts
