@@ -81,11 +81,11 @@ class Followers:
     tokens: np.ndarray
     counts: np.ndarray
 
-    def first_cap(self, missing: int) -> tuple[np.ndarray, ...]:
-        """``(tokens, shares, length, total)`` at the first cap, as a model reads them
+    def at_cap(self, level: int, missing: int) -> tuple[np.ndarray, ...]:
+        """``(tokens, shares, length, total)`` at cap number ``level``, as a model reads them
         (``model_input``)."""
-        first = (self.lengths, self.totals, self.tokens, self.counts)
-        return model_input(*(column[:, 0] for column in first), missing)
+        columns = (self.lengths, self.totals, self.tokens, self.counts)
+        return model_input(*(column[:, level] for column in columns), missing)
 
 
 def model_input(lengths, totals, tokens, counts, missing: int) -> tuple[np.ndarray, ...]:

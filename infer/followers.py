@@ -33,17 +33,17 @@ class Span(NamedTuple):
 def online_followers(ix: Index, cfg: ModelConfig, spans: list[Span]) -> FollowerInput:
     """The rows' counted answers [N, S, ...] (``FollowerInput``, rows in the order of
     ``spans``): the ``cfg.index_followers`` most frequent followers in the index of the longest
-    suffix of at most ``cfg.follower_cap`` tokens of each row's text (one batched query) and,
-    with ``cfg.window_order``, the short window's over the text's last ``cfg.window_tokens``
-    tokens, as training reads them (``teralm.train.data.counted_answers``)."""
+    suffix of at most ``cfg.follower_cap`` tokens of each row's text, and of at most
+    ``cfg.follower_backoff`` with that (one batched query); with ``cfg.window_order``, the
+    short window's over the text's last ``cfg.window_tokens`` tokens; as training reads them (``teralm.train.data.counted_answers``)."""
     k, vocab = cfg.index_followers, cfg.vocab_size
     text, targets, starts = _rows(spans, cfg.follower_cap)
     using = np.concatenate([np.full(stop - first, use) for _, first, stop, use in spans])
     begins = np.where(using, np.maximum(targets - cfg.follower_cap, starts), targets)
     limits = np.full(len(targets), ix.num_tokens + 1, dtype=np.int64)  # all of the index
-    caps = (cfg.follower_cap,)
+    caps = cfg.follower_caps
     found = ix.query.causal_followers(text, begins, targets, limits, caps, k, TRAIN_EXACT_LIMIT)
-    sources = [found.first_cap(vocab)]
+    sources = [found.at_cap(level, vocab) for level in range(len(caps))]
     if cfg.window_order:
         text, targets, starts = _rows(spans, cfg.window_tokens)
         lows = np.maximum(targets - cfg.window_tokens, starts)

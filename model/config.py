@@ -24,7 +24,8 @@ class ModelConfig:
     context's last ``follower_cap`` tokens in the index (with their shares, the suffix's length
     and its count), seeing only earlier text (``teralm.train.data.causal_followers``); 0: off,
     as every run before it. Generation counts every occurrence in the index
-    (``teralm.infer.followers``).
+    (``teralm.infer.followers``). ``follower_backoff``: as many again at this shorter cap (the
+    index backs off to it), as a further source; 0: none.
     ``window_order``: beside the index's followers, as many from a short-window model (PPM-style):
     those of the longest of the context's last ``window_order`` tokens that occurs earlier in
     its document, within its last ``window_tokens`` tokens (``teralm.kernels.window``); 0: off.
@@ -48,6 +49,7 @@ class ModelConfig:
     max_match: int = 127
     index_followers: int = 0
     follower_cap: int = 8
+    follower_backoff: int = 0
     window_order: int = 0
     window_tokens: int = 2048
     precision: str = "fp32"
@@ -61,6 +63,8 @@ class ModelConfig:
             raise ConfigError(f"attention must be full or tscale, not {self.attention!r}")
         if self.index_followers < 0 or self.follower_cap < 1:
             raise ConfigError("index_followers must be 0 or more and follower_cap at least 1")
+        if not 0 <= self.follower_backoff < self.follower_cap:
+            raise ConfigError("follower_backoff must be 0 (none) or a cap below follower_cap")
         if self.index_followers and not self.index_input:
             raise ConfigError("index_followers is part of the index input: it needs index_input")
         if self.window_order < 0 or self.window_tokens < 1:
@@ -83,10 +87,16 @@ class ModelConfig:
         return cls(**data)
 
     @property
+    def follower_caps(self) -> tuple[int, ...]:
+        """The context lengths the index's followers are counted at, longest first."""
+        return (self.follower_cap, self.follower_backoff)[: 1 + (self.follower_backoff > 0)]
+
+    @property
     def follower_sources(self) -> int:
-        """How many counted answers a position's followers come from: the index's, and the
-        short window's with ``window_order`` (0 without ``index_followers``)."""
-        return (1 + (self.window_order > 0)) if self.index_followers else 0
+        """How many counted answers a position's followers come from: the index's at each of
+        ``follower_caps``, and the short window's with ``window_order`` (0 without
+        ``index_followers``)."""
+        return (len(self.follower_caps) + (self.window_order > 0)) if self.index_followers else 0
 
     @property
     def follower_reach(self) -> int:

@@ -115,10 +115,11 @@ def length_bucket(length: torch.Tensor) -> torch.Tensor:
 @dataclass
 class FollowerInput:
     """Counted answers at each position (``ModelConfig.index_followers``), from S sources: the
-    index's most frequent followers of the context's last ``follower_cap`` tokens, then with
-    ``window_order`` the short window's: ``tokens`` [B, T, S, k] (``vocab_size`` where there
-    are fewer) with their ``shares`` of the suffix's occurrences [B, T, S, k], the suffix's
-    ``length`` [B, T, S] (0: none occurs) and occurrence count ``total`` [B, T, S]."""
+    index's most frequent followers of the context's last ``follower_cap`` tokens (and with
+    ``follower_backoff``, of its last ``follower_backoff``), then with ``window_order`` the
+    short window's: ``tokens`` [B, T, S, k] (``vocab_size`` where there are fewer) with their
+    ``shares`` of the suffix's occurrences [B, T, S, k], the suffix's ``length`` [B, T, S] (0:
+    none occurs) and occurrence count ``total`` [B, T, S]."""
 
     tokens: torch.Tensor
     shares: torch.Tensor
@@ -140,7 +141,8 @@ class IndexInput(nn.Module):
         tables = [self.next_embed, self.length_embed]
         count_buckets = int(length_bucket(torch.tensor(MAX_COUNT))) + 1
         self.sources: list[tuple[nn.Embedding, nn.Embedding, nn.Embedding]] = []
-        for name in ("follower", "window")[: cfg.follower_sources]:
+        names = ("follower", "backoff")[: len(cfg.follower_caps)] + ("window",)
+        for name in names[: cfg.follower_sources]:
             source = (
                 nn.Embedding(cfg.vocab_size + 1, cfg.d_model),
                 nn.Embedding(buckets, cfg.d_model),

@@ -279,14 +279,20 @@ def test_drafts_from_the_index_change_no_greedy_token_nor_logprob(
 
 
 def test_online_followers_count_every_occurrence_in_the_index(tiny_run, monkeypatch):
-    """The counted answers of generated text: the index's followers count every occurrence in
-    the index (the text is not in it; counted whole here, where serving samples past
-    ``TRAIN_EXACT_LIMIT``, as training does), the short window's read the text itself, against scans; rows of a
-    sequence without the index get none from it."""
+    """The counted answers of generated text: the index's followers, at its cap and its
+    backoff, count every occurrence in the index (the text is not in it; counted whole here,
+    where serving samples past ``TRAIN_EXACT_LIMIT``, as training does), the short window's
+    read the text itself, against scans; rows of a sequence without the index get none from
+    it."""
     monkeypatch.setattr(followers_module, "TRAIN_EXACT_LIMIT", 1 << 20)
     ix = tiny_run["ix"]
     cfg = dataclasses.replace(
-        tiny_run["model"].cfg, index_followers=3, follower_cap=6, window_order=2, window_tokens=12
+        tiny_run["model"].cfg,
+        index_followers=3,
+        follower_cap=6,
+        follower_backoff=2,
+        window_order=2,
+        window_tokens=12,
     )
     x, doc_ids = ix.tokens(0, ix.num_tokens), doc_ids_of(ix)
     rng = np.random.default_rng(8)
@@ -298,10 +304,12 @@ def test_online_followers_count_every_occurrence_in_the_index(tiny_run, monkeypa
     r = 0
     for text, first, stop, use_index in spans:
         for j in range(first, stop):
-            context = text[max(0, j + 1 - cfg.follower_cap) : j + 1] if use_index else []
-            index = brute_followers(x, doc_ids, context, ix.num_tokens)
-            window = brute_window_followers(text, j + 1, max(0, j + 1 - 12), 2)
-            for source, (size, total, top) in enumerate((index, window)):
+            answers = []
+            for cap in cfg.follower_caps:
+                context = text[max(0, j + 1 - cap) : j + 1] if use_index else []
+                answers.append(brute_followers(x, doc_ids, context, ix.num_tokens))
+            answers.append(brute_window_followers(text, j + 1, max(0, j + 1 - 12), 2))
+            for source, (size, total, top) in enumerate(answers):
                 row = (int(got.length[r, source]), int(got.total[r, source]))
                 assert row == (size, total), (text, j, source)
                 want = top[:3] + [(cfg.vocab_size, 0)] * (3 - len(top[:3]))
@@ -310,8 +318,8 @@ def test_online_followers_count_every_occurrence_in_the_index(tiny_run, monkeypa
                 np.testing.assert_allclose(got.shares[r, source].numpy(), shares, rtol=1e-6)
             r += 1
     lengths = got.length
-    assert r == len(lengths) and (lengths[:9, 0] > 2).any() and (lengths[-2:, 0] == 0).all()
-    assert (lengths[:, 1] == 2).any()
+    assert r == len(lengths) and (lengths[:9, 0] > 2).any() and (lengths[-2:, :2] == 0).all()
+    assert (lengths[lengths[:, 0] > 1, 1] == 2).all() and (lengths[:, 2] == 2).any()
 
 
 @pytest.fixture(scope="module")

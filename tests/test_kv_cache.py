@@ -24,7 +24,7 @@ PLAIN = ModelConfig(
 )  # fmt: skip
 FOLLOWERS = ModelConfig(
     vocab_size=50, n_layer=2, n_head=2, d_model=32, max_seq_len=40, max_match=15,
-    index_followers=3, follower_cap=4, window_order=2,
+    index_followers=3, follower_cap=4, follower_backoff=2, window_order=2,
 )  # fmt: skip
 
 

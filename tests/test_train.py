@@ -192,11 +192,13 @@ def test_causal_followers_of_batches_equal_brute_force(corpus):
 
 def test_batches_carry_the_counted_answers_of_their_fragments(corpus):
     """With index_followers, a kept fragment's followers are ``counted_answers`` of its targets
-    (from the stored matches), a dropped one's have none from the index but keep the short
-    window's; without, the batch has none."""
+    (from the stored matches), at the cap and the backoff; a dropped one's have none from the
+    index, and its short window reads the fragment alone; without, the batch has none."""
     ix = corpus
     data = DataSettings(seq_len=16, batch_size=8, seed=3, holdout_every=5, index_dropout=0.5)
-    cfg = ModelConfig(index_followers=3, follower_cap=6, window_order=2, window_tokens=30)
+    cfg = ModelConfig(
+        index_followers=3, follower_cap=6, follower_backoff=2, window_order=2, window_tokens=30
+    )
     plain = FragmentSampler(ix, data, infgram=True)
     richer = FragmentSampler(ix, data, infgram=True, model=cfg)
     assert plain.batch(2).followers() is None
@@ -206,14 +208,18 @@ def test_batches_carry_the_counted_answers_of_their_fragments(corpus):
     columns = ("follower_tokens", "follower_shares", "follower_length", "follower_total")
     for row, (start, drop) in enumerate(zip(starts, drops)):
         lengths = ix.features(start, start + 16).match_len.astype(np.int64)
-        rows = (ix, cfg, start + 1, 16, 0, lengths, TRAIN_EXACT_LIMIT, not drop)
+        doc_start = start if drop else 0
+        rows = (ix, cfg, start + 1, 16, doc_start, lengths, TRAIN_EXACT_LIMIT, not drop)
         for name, want in zip(columns, counted_answers(*rows)):
             np.testing.assert_array_equal(getattr(batch, name)[row].numpy(), want)
         if drop:
-            assert (batch.follower_length[row, :, 0] == 0).all()
-            assert (batch.follower_tokens[row, :, 0] == ix.vocab_size).all()
-    assert drops.any() and not drops.all() and (batch.follower_length[:, :, 1] > 0).any()
-    assert batch.followers().tokens.shape == (8, 16, 2, 3)
+            assert (batch.follower_length[row, :, :2] == 0).all()
+            assert (batch.follower_tokens[row, :, :2] == ix.vocab_size).all()
+            assert batch.follower_length[row, 0, 2] == 0  # nothing before the fragment
+    lengths = batch.follower_length
+    assert drops.any() and not drops.all() and (lengths[:, :, 2] > 0).any()
+    assert (lengths[:, :, 1] <= 2).all() and (lengths[:, :, 1] == 2).any()
+    assert batch.followers().tokens.shape == (8, 16, 3, 3)
 
 
 def test_short_window_answers_equal_brute_force(corpus):
@@ -407,6 +413,8 @@ def test_saved_configs_keep_the_settings_they_trained_with():
         RunConfig.from_dict({"train": {"own_loss_weight": -1.0}})
     with pytest.raises(ValueError, match="dropout_features must be one of self, none"):
         RunConfig.from_dict({"train": {"dropout_features": "all"}})
+    with pytest.raises(ValueError, match="follower_backoff must be 0 .none. or a cap below"):
+        RunConfig.from_dict({"model": {"index_followers": 2, "follower_backoff": 8}})
 
 
 def test_eval_json_and_fp8_export(corpus, tmp_path):

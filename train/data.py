@@ -166,17 +166,17 @@ def counted_answers(
 ) -> tuple[np.ndarray, ...]:
     """``(tokens, shares, length, total)`` with a source axis (``FollowerInput``) for target
     positions ``first .. first+count-1``, from the sources ``cfg`` reads: the index's followers
-    (``causal_followers`` at ``cfg.follower_cap``; none unless ``from_index``) and the short
+    (``causal_followers`` at ``cfg.follower_caps``; none unless ``from_index``) and the short
     window's (``short_window``)."""
     k, vocab = cfg.index_followers, ix.vocab_size
+    caps = cfg.follower_caps
     if from_index:
-        caps = (cfg.follower_cap,)
         found = causal_followers(ix, first, count, doc_start, caps, k, lengths, exact_limit)
-        sources = [found.first_cap(vocab)]
+        sources = [found.at_cap(level, vocab) for level in range(len(caps))]
     else:
         shape = (count, k)
         none = np.full(shape, vocab), np.zeros(shape, np.float32), np.zeros(count, np.int64)
-        sources = [(*none, np.zeros(count, np.int64))]
+        sources = [(*none, np.zeros(count, np.int64))] * len(caps)
     if cfg.window_order:
         sources.append(short_window(ix, cfg, first, count, doc_start))
     return tuple(np.stack(column, axis=1) for column in zip(*sources))
@@ -258,8 +258,10 @@ class FragmentSampler:
 
     def _followers(self, start: int, match_len: np.ndarray, drop: bool) -> tuple[np.ndarray, ...]:
         """``(tokens, shares, length, total)`` of the fragment's targets' counted answers
-        (``counted_answers``; none from the index for a dropped fragment; empty without
-        ``index_followers``)."""
+        (``counted_answers``; empty without ``index_followers``). A dropped fragment gets none
+        from the index, and its short window reads the fragment alone: were it to read the
+        document before the fragment, the window would know more than the index input there,
+        and the model would learn to trust it where the index has nothing."""
         n = self.seq_len
         if self.model is None:
             return (
@@ -267,8 +269,10 @@ class FragmentSampler:
                 np.zeros((n, 0, 0), np.float32),
                 *[np.zeros((n, 0), np.int64)] * 2,
             )
-        rows = (self.ix, self.model, start + 1, n, 0, match_len, TRAIN_EXACT_LIMIT, not drop)
-        return counted_answers(*rows)
+        doc_start = start if drop else 0
+        return counted_answers(
+            self.ix, self.model, start + 1, n, doc_start, match_len, TRAIN_EXACT_LIMIT, not drop
+        )
 
     def _fragment(self, start: int, text: np.ndarray, drop: bool) -> tuple[np.ndarray, ...]:
         """``_features`` and ``_followers`` of one fragment."""
