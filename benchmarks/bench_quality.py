@@ -13,8 +13,9 @@ writes benchmarks/results/bench_quality.json. ``--size 4x``: the scale check, a 
 times the tiny preset's parameters (7 layers of width 384: 12.7M parameters against 3.4M) trained
 for a quarter of its steps, so in about the same CPU time; writes bench_quality_4x.json.
 ``--set index_dropout=0.3``: a training setting other than the preset's, for an A/B (or a
-``[model]`` one: ``--set index_followers=4 --set window_order=3``; the run without the index
-drops what needs the index input).
+``[model]`` one: ``--set index_followers=0 --set window_order=0`` trains the preset as it was
+before it read the counted answers; the run without the index drops what needs the index
+input).
 """
 
 from __future__ import annotations

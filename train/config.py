@@ -334,13 +334,16 @@ def check_types(section: str, cls: type, values: dict) -> None:
 
 
 PRESETS: dict[str, dict] = {
-    # 2 CPU cores, 10-15 minutes: a byte model that already uses its index input well
+    # 2 CPU cores, 10-15 minutes: a byte model that already uses its index input well, and
+    # reads the counted answers of the index and of a short window (benchmarks/README.md)
     "tiny": {
         "model": {
             "n_layer": 4,
             "n_head": 4,
             "d_model": 256,
             "max_seq_len": 256,
+            "index_followers": 4,
+            "window_order": 3,
             "precision": "auto",
         },
         "train": {
