@@ -35,7 +35,8 @@ def online_followers(ix: Index, cfg: ModelConfig, spans: list[Span]) -> Follower
     ``spans``): the ``cfg.index_followers`` most frequent followers in the index of the longest
     suffix of at most ``cfg.follower_cap`` tokens of each row's text, and of at most
     ``cfg.follower_backoff`` with that (one batched query); with ``cfg.window_order``, the
-    short window's over the text's last ``cfg.window_tokens`` tokens; as training reads them (``teralm.train.data.counted_answers``)."""
+    short window's over the text's last ``cfg.window_tokens`` tokens; as training reads them
+    (``teralm.train.data.counted_answers``)."""
     k, vocab = cfg.index_followers, cfg.vocab_size
     text, targets, starts = _rows(spans, cfg.follower_cap)
     using = np.concatenate([np.full(stop - first, use) for _, first, stop, use in spans])

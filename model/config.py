@@ -89,7 +89,9 @@ class ModelConfig:
     @property
     def follower_caps(self) -> tuple[int, ...]:
         """The context lengths the index's followers are counted at, longest first."""
-        return (self.follower_cap, self.follower_backoff)[: 1 + (self.follower_backoff > 0)]
+        if self.follower_backoff:
+            return (self.follower_cap, self.follower_backoff)
+        return (self.follower_cap,)
 
     @property
     def follower_sources(self) -> int:

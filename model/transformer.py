@@ -141,8 +141,10 @@ class IndexInput(nn.Module):
         tables = [self.next_embed, self.length_embed]
         count_buckets = int(length_bucket(torch.tensor(MAX_COUNT))) + 1
         self.sources: list[tuple[nn.Embedding, nn.Embedding, nn.Embedding]] = []
-        names = ("follower", "backoff")[: len(cfg.follower_caps)] + ("window",)
-        for name in names[: cfg.follower_sources]:
+        names = ["follower", "backoff"][: len(cfg.follower_caps)]
+        if cfg.window_order:
+            names.append("window")
+        for name in names if cfg.index_followers else []:
             source = (
                 nn.Embedding(cfg.vocab_size + 1, cfg.d_model),
                 nn.Embedding(buckets, cfg.d_model),
